@@ -1,0 +1,10 @@
+"""shardfn: JAX-style functional sharding for PyTorch."""
+from ._errors import CollectiveTimeoutError as CollectiveTimeoutError
+from ._errors import RankAbortedError as RankAbortedError
+from ._errors import ShardingError as ShardingError
+from ._errors import SpecError as SpecError
+from ._mesh import Mesh as Mesh
+from ._mesh import init_mesh as init_mesh
+from ._mesh import local_mesh as local_mesh
+from ._spec import P as P
+from ._spec import PartitionSpec as PartitionSpec

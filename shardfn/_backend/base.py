@@ -1,0 +1,187 @@
+"""What both backends share: rank layout, axis groups, and waiting with a deadline.
+
+[Note: group order] Process groups are created once per *subset* of mesh axes, in mesh
+order, because `torch.distributed.new_group` sorts its ranks. A collective over axes in
+another order (`('y', 'x')` on a mesh `{'x', 'y'}`) uses the same process group and a
+permutation `Group.perm` from logical index (row-major over the requested order, as in
+JAX) to the process group's rank; the ops in `ops.py` reorder blocks accordingly.
+
+[Note: polled waits] On gloo, `Work.wait(timeout)` that expires raises "timed out" and
+leaves the operation running; a later wait still completes it. So we wait in short
+slices, and between slices check the mesh's abort flag (a peer rank failed) and the
+deadline (a peer never arrived). `ProcessGroupGloo.abort()` does not wake a waiter, and
+some gloo works cannot be polled with `is_completed()`, so slices are the one way that
+works for every op. NCCL works are waited plainly: their wait only orders streams, and
+NCCL's watchdog enforces the group timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import math
+import threading
+import time
+from typing import Callable, Mapping, Sequence
+
+from .._errors import CollectiveTimeoutError, RankAbortedError
+
+__all__ = ["Group", "BackendBase", "axis_subsets", "group_members", "rank_coords"]
+
+_POLL = datetime.timedelta(milliseconds=50)
+
+
+def rank_coords(rank: int, mesh_shape: Mapping[str, int]) -> dict[str, int]:
+    """Coordinates of a global rank; ranks are row-major over the mesh axes."""
+    coords = {}
+    for axis in reversed(list(mesh_shape)):
+        rank, coords[axis] = divmod(rank, mesh_shape[axis])
+    return {axis: coords[axis] for axis in mesh_shape}
+
+
+def coords_rank(coords: Mapping[str, int], mesh_shape: Mapping[str, int]) -> int:
+    rank = 0
+    for axis, size in mesh_shape.items():
+        rank = rank * size + coords[axis]
+    return rank
+
+
+def axis_subsets(axis_names: Sequence[str]) -> list[tuple[str, ...]]:
+    """Every non-empty subset of the mesh axes, each in mesh order."""
+    return [
+        combo for n in range(1, len(axis_names) + 1) for combo in itertools.combinations(axis_names, n)
+    ]
+
+
+def group_members(mesh_shape: Mapping[str, int], axes: Sequence[str]) -> list[list[int]]:
+    """Partition of the global ranks into the groups that vary only along `axes`.
+
+    Each group lists global ranks in logical order: row-major over `axes` as given.
+    """
+    others = [a for a in mesh_shape if a not in axes]
+    groups = []
+    for fixed in itertools.product(*(range(mesh_shape[a]) for a in others)):
+        base = dict(zip(others, fixed))
+        members = []
+        for varying in itertools.product(*(range(mesh_shape[a]) for a in axes)):
+            members.append(coords_rank({**base, **dict(zip(axes, varying))}, mesh_shape))
+        groups.append(members)
+    return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """This rank's view of the process group over some mesh axes."""
+
+    axes: tuple[str, ...]  # logical order, as the user named them
+    pg: object  # the torch ProcessGroup (or gloo backend object) of this rank
+    ranks: tuple[int, ...]  # global ranks, logical order
+    index: int  # this rank's logical index in `ranks`
+    perm: tuple[int, ...] | None  # logical index -> pg rank; None when they agree
+    backend: "BackendBase"
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def key(self) -> str:
+        return ",".join(self.axes)
+
+
+class BackendBase:
+    """Rank bookkeeping, group lookup and deadline-aware waits common to both backends."""
+
+    kind = "base"
+
+    def __init__(self, mesh_shape: Mapping[str, int], timeout: float):
+        self.mesh_shape = dict(mesh_shape)
+        self.size = math.prod(self.mesh_shape.values())
+        self.timeout = float(timeout)
+        self.abort = threading.Event()
+        self._groups: dict[tuple[int, tuple[str, ...]], Group] = {}
+        # (rank, subset key) -> number of collectives issued; (rank) -> last op text.
+        self._seq: dict[tuple[int, str], int] = {}
+        self._last_op: dict[int, str] = {}
+        self._op_at: dict[tuple[int, str], tuple[int, str]] = {}  # (rank, subset key) -> latest (seq, op)
+
+    # -- to be provided by a backend --------------------------------------------------
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    def _pg(self, rank: int, subset: tuple[str, ...]):
+        """The process group object of `rank` for a mesh-ordered subset of axes."""
+        raise NotImplementedError
+
+    def _polled(self, work) -> bool:
+        return True
+
+    # -- shared ---------------------------------------------------------------------
+    def group(self, axes: tuple[str, ...]) -> Group:
+        rank = self.rank()
+        cached = self._groups.get((rank, axes))
+        if cached is not None:
+            return cached
+        subset = tuple(a for a in self.mesh_shape if a in axes)
+        logical = next(m for m in group_members(self.mesh_shape, axes) if rank in m)
+        pg_order = sorted(logical)  # pg ranks follow mesh order = ascending global rank
+        perm = tuple(pg_order.index(r) for r in logical)
+        group = Group(
+            axes=axes,
+            pg=self._pg(rank, subset),
+            ranks=tuple(logical),
+            index=logical.index(rank),
+            perm=None if perm == tuple(range(len(perm))) else perm,
+            backend=self,
+        )
+        self._groups[(rank, axes)] = group
+        return group
+
+    def begin(self, group: Group, what: str) -> int:
+        """Record that this rank issues a collective on `group`; returns its sequence number."""
+        rank = self.rank()
+        key = (rank, ",".join(a for a in self.mesh_shape if a in group.axes))
+        seq = self._seq.get(key, 0) + 1
+        self._seq[key] = seq
+        self._last_op[rank] = f"{what} (collective #{seq} over {group.axes})"
+        self._op_at[key] = (seq, what)
+        return seq
+
+    def wait(self, work, group: Group, what: str, seq: int) -> None:
+        """Wait for `work`, honouring the abort flag and the timeout. See [Note: polled waits]."""
+        if not self._polled(work):
+            work.wait()
+            return
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.abort.is_set():
+                raise RankAbortedError(
+                    f"rank {self.rank()} stopped in {what} over axes {group.axes}: another rank failed "
+                    f"(its error is raised by mesh.run)."
+                )
+            try:
+                work.wait(_POLL)
+                return
+            except RuntimeError as err:
+                if "timed out" not in str(err).lower():
+                    raise
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(self._timeout_message(group, what, seq))
+
+    def _timeout_message(self, group: Group, what: str, seq: int) -> str:
+        missing = self._missing_ranks(group, seq)
+        return (
+            f"{what} over mesh axes {group.axes} (collective #{seq} on that group) waited more than "
+            f"{self.timeout:g} s on rank {self.rank()}; ranks of the group {list(group.ranks)}.\n"
+            f"{missing}\n"
+            f"Fix: every rank of the group must issue the same collectives in the same order "
+            f"(look for a rank-dependent branch or an exception on another rank); raise the mesh's "
+            f"timeout (local_mesh/init_mesh timeout=...) if the work is just slow."
+        )
+
+    def _missing_ranks(self, group: Group, seq: int) -> str:
+        raise NotImplementedError
+
+    def run(self, fn: Callable, args, kwargs) -> list:
+        raise NotImplementedError

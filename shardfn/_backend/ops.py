@@ -1,0 +1,271 @@
+"""Raw collectives on a `Group`: plain tensors in, plain tensors out, no autograd.
+
+The single place where shardfn talks to a process group, so that waits honour the
+mesh's timeout and abort flag, blocks come out in logical order (base.py's
+[Note: group order]), and byte counters / desync checks have one choke point.
+
+[Note: fallbacks] Not every backend implements every op on every torch version. When the
+direct op raises "not supported"/"not implemented", the op is remembered as missing for
+that backend and recomputed with a fallback built on all-reduce (all-gather: each rank
+writes its block into zeros, then sums; reduce-scatter: sum, then slice; all-to-all:
+all-gather, then slice). Results are identical; only the traffic grows. Tests force the
+fallbacks through `FORCE_FALLBACK`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .base import Group
+
+__all__ = [
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "ppermute",
+    "Pending",
+    "all_gather_async",
+    "reduce_scatter_async",
+    "FORCE_FALLBACK",
+    "recording",
+]
+
+FORCE_FALLBACK: set[str] = set()  # op names to run through their fallback (tests)
+_MISSING: set[tuple[str, str]] = set()  # (backend class name, op) found unsupported
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_recorders = threading.local()
+
+
+class recording:
+    """Context manager: call `sink(op, axes, nbytes)` for each collective this thread issues."""
+
+    def __init__(self, sink: Callable[[str, tuple, int], None]):
+        self.sink = sink
+
+    def __enter__(self):
+        stack = getattr(_recorders, "stack", None)
+        if stack is None:
+            stack = _recorders.stack = []
+        stack.append(self.sink)
+        return self
+
+    def __exit__(self, *exc):
+        _recorders.stack.pop()
+
+
+def _note(op: str, group: Group, nbytes: int) -> None:
+    for sink in getattr(_recorders, "stack", ()):
+        sink(op, group.axes, nbytes)
+
+
+class Pending:
+    """A collective in flight; `wait()` returns its result (once)."""
+
+    def __init__(self, work, group: Group, what: str, seq: int, finish: Callable[[], torch.Tensor]):
+        self._work, self._group, self._what, self._seq, self._finish = work, group, what, seq, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._group.backend.wait(self._work, self._group, self._what, self._seq)
+            self._work = None
+        return self._finish()
+
+
+def _describe(op: str, x: torch.Tensor) -> str:
+    return f"{op}(shape={tuple(x.shape)}, dtype={x.dtype})"
+
+
+def _unsupported(err: Exception) -> bool:
+    text = str(err).lower()
+    return any(s in text for s in ("not supported", "not implemented", "unsupported"))
+
+
+def _direct(group: Group, op: str) -> bool:
+    return op not in FORCE_FALLBACK and (type(group.pg).__name__, op) not in _MISSING
+
+
+def _issue(group: Group, op: str, x: torch.Tensor, direct: Callable, fallback: Callable) -> Pending:
+    """Start `direct()` (returning (work, finish)) or, if unsupported, `fallback()`."""
+    what = _describe(op, x)
+    seq = group.backend.begin(group, what)
+    if _direct(group, op):
+        try:
+            work, finish = direct()
+            return Pending(work, group, what, seq, finish)
+        except RuntimeError as err:
+            if not _unsupported(err):
+                raise
+            _MISSING.add((type(group.pg).__name__, op))
+    return Pending(None, group, what, seq, fallback)
+
+
+def _all_reduce_work(group: Group, t: torch.Tensor, op: str):
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _REDUCE_OPS[op]
+    return group.pg.allreduce([t], opts)
+
+
+def all_reduce(group: Group, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce `x` over the group; returns a new tensor (x is not modified)."""
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    if group.size == 1:
+        return out
+    _note("all_reduce", group, out.numel() * out.element_size())
+    what = _describe(f"all_reduce[{op}]", out)
+    seq = group.backend.begin(group, what)
+    group.backend.wait(_all_reduce_work(group, out, op), group, what, seq)
+    return out
+
+
+def _blocks_to_logical(group: Group, stacked: torch.Tensor) -> torch.Tensor:
+    """(k, ...) blocks in pg order -> logical order."""
+    if group.perm is None:
+        return stacked
+    return stacked[torch.tensor(group.perm, device=stacked.device)]
+
+
+def _blocks_to_pg(group: Group, stacked: torch.Tensor) -> torch.Tensor:
+    """(k, ...) blocks in logical order -> pg order."""
+    if group.perm is None:
+        return stacked
+    inverse = [0] * group.size
+    for logical, pg_rank in enumerate(group.perm):
+        inverse[pg_rank] = logical
+    return stacked[torch.tensor(inverse, device=stacked.device)]
+
+
+def _pg_index(group: Group) -> int:
+    return group.index if group.perm is None else group.perm[group.index]
+
+
+def all_gather_async(group: Group, x: torch.Tensor) -> Pending:
+    """Start gathering equal-shaped blocks; the result stacks them: (k, *x.shape), logical order."""
+    x = x.detach().contiguous()
+    k = group.size
+    out = torch.empty((k,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    _note("all_gather", group, out.numel() * out.element_size())
+
+    def direct():
+        work = group.pg._allgather_base(out.view(-1), x.view(-1))
+        return work, lambda: _blocks_to_logical(group, out)
+
+    def fallback():
+        out.zero_()
+        out[_pg_index(group)] = x
+        work = _all_reduce_work(group, out, "sum")
+        group.backend.wait(work, group, "all_gather fallback", 0)
+        return _blocks_to_logical(group, out)
+
+    return _issue(group, "all_gather", x, direct, fallback)
+
+
+def all_gather(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Concatenate equal-shaped blocks of all ranks along `dim`, in logical order."""
+    if group.size == 1:
+        return x.detach().clone()
+    stacked = all_gather_async(group, x).wait()  # (k, *shape)
+    return stacked.movedim(0, dim).flatten(dim, dim + 1) if x.dim() else stacked
+
+
+def reduce_scatter_async(group: Group, x: torch.Tensor) -> Pending:
+    """Start summing `x` (shape (k, *block)) over the group; result is this rank's block."""
+    x = x.detach().contiguous()
+    k = group.size
+    out = torch.empty(tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _note("reduce_scatter", group, x.numel() * x.element_size())
+    x_pg = _blocks_to_pg(group, x)
+
+    def direct():
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        work = group.pg._reduce_scatter_base(out.view(-1), x_pg.reshape(-1), opts)
+        return work, lambda: out
+
+    def fallback():
+        total = x_pg.clone()
+        work = _all_reduce_work(group, total, "sum")
+        group.backend.wait(work, group, "reduce_scatter fallback", 0)
+        return total[_pg_index(group)]
+
+    del k
+    return _issue(group, "reduce_scatter", x, direct, fallback)
+
+
+def reduce_scatter(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Sum over the group, keep this rank's block of `dim` (size must divide by group size)."""
+    if group.size == 1:
+        return x.detach().clone()
+    k = group.size
+    stacked = x.detach().movedim(dim, 0)
+    stacked = stacked.reshape((k, stacked.shape[0] // k) + tuple(stacked.shape[1:]))
+    return reduce_scatter_async(group, stacked).wait().movedim(0, dim)
+
+
+def all_to_all(group: Group, x: torch.Tensor, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Send block i of `split_dim` to rank i; concatenate received blocks along `concat_dim`."""
+    if group.size == 1:
+        return x.detach().clone()
+    k = group.size
+    moved = x.detach().movedim(split_dim, 0)
+    m = moved.shape[0] // k
+    blocks = _blocks_to_pg(group, moved.reshape((k, m) + tuple(moved.shape[1:]))).contiguous()
+    out = torch.empty_like(blocks)
+    _note("all_to_all", group, blocks.numel() * blocks.element_size())
+
+    def finish(received: torch.Tensor) -> torch.Tensor:
+        received = _blocks_to_logical(group, received)  # (k, m, *rest): source-major blocks
+        received = received.movedim(1, split_dim + 1)  # each block back in x's dim order
+        return received.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+
+    def direct():
+        work = group.pg.alltoall_base(out, blocks, [], [], dist.AllToAllOptions())
+        return work, lambda: finish(out)
+
+    def fallback():
+        gathered = all_gather_async(group, blocks).wait()  # (k_src, k_dst, m, *rest), logical src
+        mine = gathered[:, group.index]
+        return finish(_blocks_to_pg(group, mine))
+
+    return _issue(group, "all_to_all", x, direct, fallback).wait()
+
+
+def ppermute(group: Group, x: torch.Tensor, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Send x from logical index src to dst for each pair; ranks that receive nothing get zeros.
+
+    Implemented as one all-to-all with zero-sized splits for non-partners, so it is a
+    single pollable collective on every backend.
+    """
+    x = x.detach().contiguous()
+    k = group.size
+    dst = dict(perm).get(group.index)
+    src = {d: s for s, d in perm}.get(group.index)
+    flat = x.reshape(-1)
+    n = flat.numel()
+    to_pg = (lambda i: i) if group.perm is None else (lambda i: group.perm[i])
+    in_splits = [0] * k
+    out_splits = [0] * k
+    if dst is not None:
+        in_splits[to_pg(dst)] = n
+    if src is not None:
+        out_splits[to_pg(src)] = n
+    send = flat if dst is not None else flat[:0]
+    recv = torch.zeros(n if src is not None else 0, dtype=x.dtype, device=x.device)
+    _note("ppermute", group, n * x.element_size())
+
+    def finish():
+        return recv.view(x.shape) if src is not None else torch.zeros_like(x)
+
+    def direct():
+        work = group.pg.alltoall_base(recv, send, out_splits, in_splits, dist.AllToAllOptions())
+        return work, finish
+
+    def fallback():
+        gathered = all_gather_async(group, x).wait()  # (k, *shape), logical order
+        return gathered[src].clone() if src is not None else torch.zeros_like(x)
+
+    return _issue(group, "ppermute", x, direct, fallback).wait()

@@ -1,0 +1,120 @@
+"""Scaling transforms: by a constant, by a schedule, by a (scheduled) learning rate."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Union
+
+import torch
+
+from . import _flat
+from .base import EmptyState, GradientTransformation
+
+ScalarOrSchedule = Union[float, Callable[[int], float]]
+
+
+class ScaleByScheduleState(NamedTuple):
+    """State of ``scale_by_schedule``: ``count`` (0-dim int64 CPU tensor) = updates done."""
+
+    count: torch.Tensor
+
+
+def _scale_leaves(leaves, factor, inplace):
+    if not leaves:
+        return leaves
+    if inplace:
+        with torch.no_grad():
+            leaves = _flat.writable(leaves)
+            torch._foreach_mul_(leaves, factor)
+        return leaves
+    return torch._foreach_mul(leaves, factor)
+
+
+def scale(step_size: float, *, inplace: bool = False) -> GradientTransformation:
+    """Multiply the updates by a constant ``step_size``.
+
+    Args:
+        step_size: the factor.
+        inplace: write into the incoming updates (see ``docs/optim.md``, in-place mode).
+
+    Returns:
+        A ``GradientTransformation`` with ``EmptyState``.
+
+    Example:
+        >>> import torch, shardfn.optim as optim
+        >>> optim.scale(-2.0).update({"w": torch.ones(2)}, optim.EmptyState())[0]["w"]
+        tensor([-2., -2.])
+    """
+    step_size = float(step_size)
+
+    def init(params):
+        del params
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        del params
+        leaves, treedef = _flat.flatten(updates)
+        return _flat.unflatten(treedef, _scale_leaves(leaves, step_size, inplace)), state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_schedule(
+    step_size_fn: Callable[[int], float], *, inplace: bool = False
+) -> GradientTransformation:
+    """Multiply the updates by ``step_size_fn(count)``, ``count`` = updates done so far.
+
+    Args:
+        step_size_fn: ``schedule(step: int) -> float``.
+        inplace: write into the incoming updates and bump the count in place.
+
+    Returns:
+        A ``GradientTransformation`` with ``ScaleByScheduleState(count)``.
+
+    Example:
+        >>> import torch, shardfn.optim as optim
+        >>> opt = optim.scale_by_schedule(lambda k: 10.0 ** -k)
+        >>> state = opt.init({"w": torch.ones(2)})
+        >>> u, state = opt.update({"w": torch.ones(2)}, state)
+        >>> u, state = opt.update({"w": torch.ones(2)}, state)
+        >>> u["w"], int(state.count)
+        (tensor([0.1000, 0.1000]), 2)
+    """
+
+    def init(params):
+        del params
+        return ScaleByScheduleState(count=_flat.new_count())
+
+    def update(updates, state, params=None):
+        del params
+        leaves, treedef = _flat.flatten(updates)
+        factor = float(step_size_fn(_flat.read_count(state.count)))
+        leaves = _scale_leaves(leaves, factor, inplace)
+        count, _ = _flat.bump_count(state.count, inplace)
+        return _flat.unflatten(treedef, leaves), ScaleByScheduleState(count=count)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(
+    learning_rate: ScalarOrSchedule, *, flip_sign: bool = True, inplace: bool = False
+) -> GradientTransformation:
+    """Multiply the updates by ``-learning_rate`` (a float or a schedule of the step count).
+
+    Args:
+        learning_rate: a float, or ``schedule(step) -> float`` called with the number of
+            updates done so far (see ``shardfn.optim`` schedules).
+        flip_sign: negate, so that ``apply_updates`` descends (the usual case).
+        inplace: write into the incoming updates.
+
+    Returns:
+        ``scale(-lr)`` for a float, ``scale_by_schedule(lambda k: -lr(k))`` for a schedule.
+
+    Example:
+        >>> import torch, shardfn.optim as optim
+        >>> optim.scale_by_learning_rate(0.5).update({"w": torch.ones(2)}, optim.EmptyState())[0]["w"]
+        tensor([-0.5000, -0.5000])
+    """
+    sign = -1.0 if flip_sign else 1.0
+    if callable(learning_rate):
+        return scale_by_schedule(lambda k: sign * learning_rate(k), inplace=inplace)
+    return scale(sign * learning_rate, inplace=inplace)

@@ -1,0 +1,138 @@
+"""The optimizer protocol: a pair of functions over pytrees, composed with ``chain``.
+
+An optimizer is ``GradientTransformation(init, update)``, as in optax:
+
+- ``init(params) -> state``: a NamedTuple whose tensors are shaped like ``params``.
+  Called on a rank's shards it allocates state shaped like the shards, so optimizer
+  state is sharded exactly like the parameters (ZeRO) with no extra code.
+- ``update(updates, state, params=None) -> (updates, state)``: transforms gradients
+  into updates. ``apply_updates(params, updates)`` adds them.
+
+Trees are flattened once per call with optree (namespace ``"shardfn"``) and the math
+runs on flat lists with ``torch._foreach_*`` ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from . import _flat
+
+
+class GradientTransformation(NamedTuple):
+    """A pure optimizer: ``init(params) -> state``, ``update(updates, state, params) -> (updates, state)``.
+
+    Example:
+        >>> import torch, shardfn.optim as optim
+        >>> opt = optim.adamw(1e-3)
+        >>> params = {"w": torch.ones(2, 3)}
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update({"w": torch.ones(2, 3)}, state, params)
+        >>> params = optim.apply_updates(params, updates)
+    """
+
+    init: Callable[[Any], Any]
+    update: Callable[..., tuple[Any, Any]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transform."""
+
+
+def identity() -> GradientTransformation:
+    """A transform that returns the updates unchanged.
+
+    Returns:
+        A ``GradientTransformation`` with ``EmptyState``.
+
+    Example:
+        >>> import torch, shardfn.optim as optim
+        >>> optim.identity().update({"w": torch.ones(2)}, optim.EmptyState())[0]["w"]
+        tensor([1., 1.])
+    """
+
+    def init(params):
+        del params
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        del params
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Compose transforms: each one's updates feed the next; the state is a tuple of theirs.
+
+    Args:
+        *transforms: ``GradientTransformation``s applied left to right.
+
+    Returns:
+        A ``GradientTransformation`` whose state is ``tuple`` of the inner states.
+
+    Example:
+        >>> import torch, shardfn.optim as optim
+        >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
+        >>> params = {"w": torch.ones(3)}
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update({"w": torch.full((3,), 10.0)}, state, params)
+    """
+    for i, t in enumerate(transforms):
+        if not (isinstance(t, tuple) and len(t) == 2 and all(callable(f) for f in t)):
+            raise TypeError(
+                f"chain: argument {i} is {type(t).__name__}, not a GradientTransformation "
+                "(a pair of callables init, update); did you forget to call it, e.g. "
+                "`adamw(1e-3)` rather than `adamw`?"
+            )
+    inits = tuple(t.init for t in transforms)
+    updates_fns = tuple(t.update for t in transforms)
+
+    def init(params):
+        return tuple(fn(params) for fn in inits)
+
+    def update(updates, state, params=None):
+        if len(state) != len(updates_fns):
+            raise ValueError(
+                f"chain.update: the state holds {len(state)} inner states but the chain "
+                f"has {len(updates_fns)} transforms; pass the state this chain's init returned."
+            )
+        new_state = []
+        for fn, s in zip(updates_fns, state):
+            updates, s = fn(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Any, updates: Any, *, inplace: bool = False) -> Any:
+    """Add ``updates`` to ``params`` leaf by leaf (``torch._foreach_add``).
+
+    Args:
+        params: a pytree of tensors.
+        updates: a pytree of tensors with the same structure.
+        inplace: add into the ``params`` tensors (no allocation, under
+            ``torch.no_grad()``) and return the same tree; otherwise return new tensors.
+
+    Returns:
+        The updated parameters, each leaf in its parameter's dtype.
+
+    Example:
+        >>> import torch, shardfn.optim as optim
+        >>> optim.apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})["w"]
+        tensor([0.5000, 0.5000])
+    """
+    p, treedef = _flat.flatten(params)
+    u = _flat.leaves_like(treedef, updates, "updates", "apply_updates")
+    if not p:
+        return params
+    if inplace:
+        with torch.no_grad():
+            torch._foreach_add_(p, u)
+        return params
+    new = torch._foreach_add(p, u)
+    new = [n if n.dtype == q.dtype else n.to(q.dtype) for n, q in zip(new, p)]
+    return _flat.unflatten(treedef, new)
