@@ -8,3 +8,16 @@ from ._mesh import init_mesh as init_mesh
 from ._mesh import local_mesh as local_mesh
 from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
+from ._collectives import all_gather as all_gather
+from ._collectives import all_to_all as all_to_all
+from ._collectives import axis_index as axis_index
+from ._collectives import axis_size as axis_size
+from ._collectives import pmax as pmax
+from ._collectives import pmean as pmean
+from ._collectives import pmin as pmin
+from ._collectives import ppermute as ppermute
+from ._collectives import psum as psum
+from ._collectives import psum_scatter as psum_scatter
+from ._shard_map import gather as gather
+from ._shard_map import scatter as scatter
+from ._shard_map import shard_map as shard_map

@@ -20,6 +20,7 @@ import torch
 from torch.distributed import HashStore, PrefixStore, ProcessGroupGloo
 
 from .._errors import RankAbortedError, ShardingError
+from . import fwad
 from .base import BackendBase, axis_subsets, group_members, rank_coords
 
 __all__ = ["SimulatedBackend"]
@@ -33,6 +34,7 @@ class SimulatedBackend(BackendBase):
 
     def __init__(self, mesh_shape: Mapping[str, int], timeout: float):
         super().__init__(mesh_shape, timeout)
+        fwad.install()  # see fwad.py: [Note: forward AD on the simulated mesh]
         self.device = torch.device("cpu")
         self._local = threading.local()
         self._store = HashStore()

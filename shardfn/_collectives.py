@@ -1,0 +1,379 @@
+"""Named-axis collectives: one autograd.Function each, its transpose beside it.
+
+Every collective runs on the mesh bound by the enclosing `shard_map` / `shard` and takes
+an axis name or tuple of names. Each Function has:
+- `forward` on plain tensors (functorch unwraps them for us) calling `_backend.ops`;
+- `setup_context` capturing the process group, since a backward often runs after the
+  shard_map call has returned;
+- `backward` that calls the transpose through another Function's `.apply` — never a raw
+  process-group method, because under `torch.func.grad` the cotangents are wrapped;
+- `jvp`: the same linear collective on the tangent;
+- `vmap`: the batch dim is moved to the front and the collective runs on dims shifted by one.
+
+psum's transpose is psum: see docs/autodiff.md and [Note: the psum transpose rule] in
+_shard_map.py for the two boundary halves that make that correct.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+from . import _tree
+from ._backend import ops
+from ._backend.base import Group
+from ._errors import ShardingError, SpecError
+
+__all__ = [
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "psum_scatter",
+    "ppermute",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "bound_mesh",
+    "binding",
+]
+
+# -- which mesh the collectives talk to ------------------------------------------------
+
+_state = threading.local()
+
+
+class binding:
+    """Bind `mesh` for the collectives called in this thread (used by shard_map / shard)."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def __enter__(self):
+        stack = getattr(_state, "stack", None)
+        if stack is None:
+            stack = _state.stack = []
+        stack.append(self.mesh)
+        return self.mesh
+
+    def __exit__(self, *exc):
+        _state.stack.pop()
+
+
+def bound_mesh(op: str | None = None, axis=None):
+    """The mesh of the innermost shard_map / shard on this thread; error outside one."""
+    stack = getattr(_state, "stack", None)
+    if stack:
+        return stack[-1]
+    if op is None:
+        return None
+    raise ShardingError(
+        f"{op}(axis={axis!r}) was called outside shard_map / shard: named-axis collectives need "
+        f"a mesh to resolve the axis name.\nFix: call it inside a function wrapped with "
+        f"sf.shard_map(f, mesh, in_specs, out_specs) (or the loss_fn of sf.shard)."
+    )
+
+
+def _group(op: str, axis) -> Group:
+    mesh = bound_mesh(op, axis)
+    return mesh.group(mesh.axes(axis, where=f"{op}(axis={axis!r})"))
+
+
+def _front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
+    return x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
+
+
+def _dim(d: int, ndim: int, op: str, what: str = "dim") -> int:
+    if not -ndim <= d < ndim:
+        raise SpecError(f"{op}: {what}={d} is out of range for a tensor of rank {ndim}")
+    return d % ndim
+
+
+# -- psum / pmean ----------------------------------------------------------------------
+
+
+class _Psum(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group):
+        return ops.all_reduce(group, x, "sum")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):  # transpose of psum is psum (simple rule; see module note)
+        return _Psum.apply(g, ctx.group), None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return _Psum.apply(t, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group):
+        return _Psum.apply(x, group), in_dims[0]
+
+
+def psum(x, axis):
+    """Sum `x` over a mesh axis (or tuple of axes); every rank gets the total.
+
+    Accepts a tensor, a pytree of tensors, or a Python number (`psum(1, 'data')` is the
+    axis size, as in JAX).
+
+    Example:
+      >>> import shardfn as sf, torch
+      >>> mesh = sf.local_mesh({"data": 2})
+      >>> f = sf.shard_map(lambda x: sf.psum(x, "data"), mesh, sf.P("data"), sf.P())
+      >>> f(torch.tensor([1.0, 2.0]))
+      tensor([3.])
+    """
+    group = _group("psum", axis)
+    return _tree.tree_map(
+        lambda leaf: _Psum.apply(leaf, group) if isinstance(leaf, torch.Tensor) else leaf * group.size, x
+    )
+
+
+def pmean(x, axis):
+    """Mean of `x` over a mesh axis (or tuple of axes)."""
+    group = _group("pmean", axis)
+    return _tree.tree_map(
+        lambda leaf: _Psum.apply(leaf, group) / group.size if isinstance(leaf, torch.Tensor) else leaf, x
+    )
+
+
+# -- pmax / pmin -----------------------------------------------------------------------
+
+
+class _Pextremum(torch.autograd.Function):
+    """max / min over the group; the cotangent goes to the ranks holding the extremum,
+    split evenly among ties (like `torch.amax`)."""
+
+    @staticmethod
+    def forward(x, group, op):
+        return ops.all_reduce(group, x, op)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ctx.group, ctx.op = inputs
+        ctx.save_for_backward(x, output)
+
+    @staticmethod
+    def _route(ctx, g):
+        x, out = ctx.saved_tensors
+        hit = (x == out).to(g.dtype)
+        return _Psum.apply(g, ctx.group) * hit / _Psum.apply(hit, ctx.group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _Pextremum._route(ctx, g), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _g, _o):
+        x, out = ctx.saved_tensors
+        hit = (x == out).to(t.dtype)
+        return _Psum.apply(t * hit, ctx.group) / _Psum.apply(hit, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, op):
+        return _Pextremum.apply(x, group, op), in_dims[0]
+
+
+def pmax(x: torch.Tensor, axis) -> torch.Tensor:
+    """Elementwise max over a mesh axis; gradient flows to the ranks holding the max."""
+    return _Pextremum.apply(x, _group("pmax", axis), "max")
+
+
+def pmin(x: torch.Tensor, axis) -> torch.Tensor:
+    """Elementwise min over a mesh axis; gradient flows to the ranks holding the min."""
+    return _Pextremum.apply(x, _group("pmin", axis), "min")
+
+
+# -- all_gather <-> psum_scatter -------------------------------------------------------
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group, dim):
+        return ops.all_gather(group, x, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.dim = inputs
+
+    @staticmethod
+    def backward(ctx, g):  # transpose: psum_scatter
+        return _PsumScatter.apply(g, ctx.group, ctx.dim), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _g, _d):
+        return _AllGather.apply(t, ctx.group, ctx.dim)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, dim):
+        return _AllGather.apply(_front(x, in_dims[0]), group, dim + 1), 0
+
+
+class _PsumScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group, dim):
+        return ops.reduce_scatter(group, x, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.dim = inputs
+
+    @staticmethod
+    def backward(ctx, g):  # transpose: all_gather
+        return _AllGather.apply(g, ctx.group, ctx.dim), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _g, _d):
+        return _PsumScatter.apply(t, ctx.group, ctx.dim)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, dim):
+        return _PsumScatter.apply(_front(x, in_dims[0]), group, dim + 1), 0
+
+
+def all_gather(x: torch.Tensor, axis, dim: int = 0, tiled: bool = True) -> torch.Tensor:
+    """Gather every rank's `x` along `dim` (tiled) or along a new dim `dim` (untiled).
+
+    All ranks must pass the same shape. Ranks are ordered row-major over `axis` as given.
+    Transpose: `psum_scatter`.
+    """
+    group = _group("all_gather", axis)
+    if not tiled:
+        dim = _dim(dim, x.dim() + 1, "all_gather")
+        return _AllGather.apply(x.unsqueeze(dim), group, dim)
+    if x.dim() == 0:
+        raise SpecError("all_gather(tiled=True) needs a tensor of rank >= 1; use tiled=False for scalars")
+    return _AllGather.apply(x, group, _dim(dim, x.dim(), "all_gather"))
+
+
+def psum_scatter(x: torch.Tensor, axis, dim: int = 0, tiled: bool = True) -> torch.Tensor:
+    """Sum over `axis`, then keep this rank's block of `dim` (JAX's psum_scatter).
+
+    Tiled: `x.shape[dim]` must divide by the axis size and the block has
+    `x.shape[dim] / size` rows. Untiled: `x.shape[dim]` must equal the size and the dim
+    is removed. Transpose: `all_gather`.
+    """
+    group = _group("psum_scatter", axis)
+    d = _dim(dim, x.dim(), "psum_scatter")
+    n = x.shape[d]
+    if (not tiled and n != group.size) or (tiled and n % group.size):
+        need = f"equal to the axis size {group.size}" if not tiled else f"divisible by the axis size {group.size}"
+        raise SpecError(
+            f"psum_scatter(axis={axis!r}, dim={dim}, tiled={tiled}): x has shape {tuple(x.shape)}; "
+            f"dim {d} has size {n}, which must be {need}.\nFix: pad dim {d} to a multiple of {group.size}, "
+            f"or scatter another dim."
+        )
+    out = _PsumScatter.apply(x, group, d)
+    return out if tiled else out.squeeze(d)
+
+
+# -- ppermute --------------------------------------------------------------------------
+
+
+class _Ppermute(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group, perm):
+        return ops.ppermute(group, x, perm)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.perm = inputs
+
+    @staticmethod
+    def backward(ctx, g):  # transpose: the inverse permutation
+        return _Ppermute.apply(g, ctx.group, tuple((d, s) for s, d in ctx.perm)), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _g, _p):
+        return _Ppermute.apply(t, ctx.group, ctx.perm)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, perm):
+        return _Ppermute.apply(x, group, perm), in_dims[0]
+
+
+def ppermute(x: torch.Tensor, axis, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Send `x` from axis index `src` to `dst` for each `(src, dst)` pair of `perm`.
+
+    A rank that no pair sends to receives zeros. Transpose: the inverse permutation.
+    """
+    group = _group("ppermute", axis)
+    pairs = tuple((int(s), int(d)) for s, d in perm)
+    srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
+    bad = [p for p in pairs if not (0 <= p[0] < group.size and 0 <= p[1] < group.size)]
+    if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise SpecError(
+            f"ppermute(axis={axis!r}, perm={list(perm)!r}): perm must be a permutation (a partial one is "
+            f"fine) of the axis indices 0..{group.size - 1}: each index at most once as a source and once "
+            f"as a destination" + (f"; out of range: {bad}" if bad else "") + ".\nFix: e.g. a ring shift "
+            f"[(i, (i + 1) % {group.size}) for i in range({group.size})]."
+        )
+    return _Ppermute.apply(x, group, pairs)
+
+
+# -- all_to_all ------------------------------------------------------------------------
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group, split_dim, concat_dim):
+        return ops.all_to_all(group, x, split_dim, concat_dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.split_dim, ctx.concat_dim = inputs
+
+    @staticmethod
+    def backward(ctx, g):  # transpose: all_to_all with the dims swapped
+        return _AllToAll.apply(g, ctx.group, ctx.concat_dim, ctx.split_dim), None, None, None
+
+    @staticmethod
+    def jvp(ctx, t, _g, _s, _c):
+        return _AllToAll.apply(t, ctx.group, ctx.split_dim, ctx.concat_dim)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, split_dim, concat_dim):
+        return _AllToAll.apply(_front(x, in_dims[0]), group, split_dim + 1, concat_dim + 1), 0
+
+
+def all_to_all(x: torch.Tensor, axis, split_dim: int, concat_dim: int, tiled: bool = True) -> torch.Tensor:
+    """Split `split_dim` into one block per rank, send block i to rank i, concatenate the
+    received blocks along `concat_dim` (tiled), or, untiled, remove `split_dim` (whose
+    size must equal the axis size) and stack the received pieces on a new `concat_dim`.
+    Transpose: all_to_all with the dims swapped.
+    """
+    group = _group("all_to_all", axis)
+    s = _dim(split_dim, x.dim(), "all_to_all", "split_dim")
+    n = x.shape[s]
+    if (not tiled and n != group.size) or (tiled and n % group.size):
+        need = f"equal to the axis size {group.size}" if not tiled else f"divisible by the axis size {group.size}"
+        raise SpecError(
+            f"all_to_all(axis={axis!r}, split_dim={split_dim}, tiled={tiled}): x has shape "
+            f"{tuple(x.shape)}; split dim {s} has size {n}, which must be {need}."
+        )
+    if not tiled:
+        c = _dim(concat_dim, x.dim(), "all_to_all", "concat_dim")
+        moved = x.movedim(s, 0)  # (k, *rest): piece j goes to rank j
+        return _AllToAll.apply(moved, group, 0, 0).movedim(0, c)
+    return _AllToAll.apply(x, group, s, _dim(concat_dim, x.dim(), "all_to_all", "concat_dim"))
+
+
+# -- indices ---------------------------------------------------------------------------
+
+
+def axis_index(axis) -> int:
+    """This rank's index along `axis` (row-major over a tuple of axes)."""
+    return _group("axis_index", axis).index
+
+
+def axis_size(axis) -> int:
+    """The number of ranks along `axis` (product over a tuple)."""
+    mesh = bound_mesh("axis_size", axis)
+    return mesh.axis_size(mesh.axes(axis, where=f"axis_size(axis={axis!r})"))
