@@ -21,3 +21,6 @@ from ._collectives import psum_scatter as psum_scatter
 from ._shard_map import gather as gather
 from ._shard_map import scatter as scatter
 from ._shard_map import shard_map as shard_map
+from ._fsdp import MixedPrecision as MixedPrecision
+from ._fsdp import Shard as Shard
+from ._fsdp import shard as shard

@@ -1,0 +1,343 @@
+"""shard(loss_fn, mesh): fully sharded data parallel training as a function transform.
+
+`step = shard(loss_fn, mesh)`; `shards = step.shard_params(params)`; `step(shards, batch)`
+returns the loss averaged over the data axes, and its gradient with respect to `shards`
+(by `loss.backward()` or `torch.func.grad`) is the data-parallel mean gradient, already
+reduce-scattered to each rank's shard. Layout and schedule: _fsdp_plan.py and
+_fsdp_runtime.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any, Callable, Hashable, NamedTuple
+
+import torch
+
+from . import _tree
+from ._backend import ops
+from ._collectives import binding, bound_mesh
+from ._errors import ShardingError, SpecError
+from ._fsdp_plan import Plan, build_plan, copy_out, leaf_views, pack_shards
+from ._fsdp_runtime import GatherUnit, LossMean, RankState
+from ._lazy import make_view
+from ._spec import PartitionSpec, chunk_bounds
+
+__all__ = ["shard", "Shard", "MixedPrecision"]
+
+
+class MixedPrecision(NamedTuple):
+    """Dtypes for `shard`: shards (master weights) keep theirs; gathers and compute run in
+    `param_dtype`, gradient reductions in `reduce_dtype`, the loss is returned in
+    `output_dtype`; floating batch tensors are cast to `param_dtype` when `cast_inputs`."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_inputs: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    data_axes: tuple[str, ...]
+    shard_axes: tuple[str, ...]
+    units: Callable[[tuple], Hashable] | None
+    reshard_after_forward: bool
+    prefetch: int
+    mixed_precision: MixedPrecision | None
+    has_aux: bool
+    replicated: Callable[[tuple], bool] | None
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under any functorch wrappers (same storage), detached."""
+    unwrap = torch._C._functorch
+    while unwrap.is_functorch_wrapped_tensor(t):
+        t = unwrap.get_unwrapped(t)
+    return t.detach()
+
+
+def _exchange_text(group, text: str) -> list[str]:
+    """Every rank's `text`, via two all-gathers of bytes (works on both backends)."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    sizes = ops.all_gather(group, torch.tensor([data.numel()]))
+    width = int(sizes.max())
+    padded = torch.nn.functional.pad(data, (0, width - data.numel()))
+    rows = ops.all_gather_async(group, padded).wait()
+    return [bytes(rows[i, : int(sizes[i])].tolist()).decode() for i in range(group.size)]
+
+
+class Shard:
+    """The callable returned by `sf.shard`. See `shard` for the arguments."""
+
+    def __init__(self, loss_fn: Callable, mesh, config: _Config):
+        self.loss_fn = loss_fn
+        self.mesh = mesh
+        self.config = config
+        self._plans: dict[Any, Plan] = {}
+        self._last_plan: Plan | None = None
+        self._states: dict[tuple[int, int], RankState] = {}
+        self.__wrapped__ = loss_fn
+
+    # -- params <-> shards ----------------------------------------------------------------
+    def shard_params(self, params):
+        """This rank's shards of a full parameter tree that every rank holds.
+
+        Each leaf is split on dim 0 with `torch.chunk` over the shard axes (0-dim and
+        non-float leaves are kept whole). Checks once, with one small collective, that every
+        rank passed the same structure, shapes and dtypes.
+        """
+        mesh = self.mesh
+        paths, leaves, treedef = _tree.flatten_with_paths(params)
+        plan = build_plan(params, mesh.axis_size(self.config.shard_axes), self.config.units, self.config.replicated)
+        self._check_same_everywhere(paths, leaves)
+        self._plans[treedef] = plan
+        self._last_plan = plan
+        index = mesh.group(self.config.shard_axes).index
+        shards = []
+        for layout, leaf in zip(plan.leaves, leaves):
+            leaf = leaf.detach().to(mesh.device)
+            if layout.sharded:
+                start, stop = chunk_bounds(layout.rows, plan.k, index)
+                leaf = leaf[start:stop]
+            shards.append(leaf.clone())
+        return _tree.unflatten(treedef, shards)
+
+    def _check_same_everywhere(self, paths, leaves) -> None:
+        lines = [f"{_tree.keystr(p)}: {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else
+                 f"{_tree.keystr(p)}: {type(x).__name__}" for p, x in zip(paths, leaves)]
+        digest = zlib.crc32("\n".join(lines).encode())
+        group = self.mesh.group(self.mesh.axis_names)
+        both = ops.all_reduce(group, torch.tensor([digest, -digest], dtype=torch.int64), "max")
+        if int(both[0]) == -int(both[1]):
+            return
+        texts = _exchange_text(group, "\n".join(lines))
+        mine = group.index
+        for other, text in enumerate(texts):
+            theirs = text.split("\n")
+            if theirs == lines:
+                continue
+            for i in range(max(len(lines), len(theirs))):
+                a = lines[i] if i < len(lines) else "<no leaf>"
+                b = theirs[i] if i < len(theirs) else "<no leaf>"
+                if a != b:
+                    raise ShardingError(
+                        f"shard_params: the ranks passed different parameter trees. First difference, at "
+                        f"leaf #{i}: rank {group.ranks[mine]} has params{a}, rank {group.ranks[other]} has "
+                        f"params{b}.\nFix: build the params identically on every rank (same code, same "
+                        f"seed), then call shard_params on every rank."
+                    )
+
+    def unshard_params(self, shards):
+        """The full parameter tree on every rank (for evaluation or export); no autograd."""
+        plan = self._plan_for(shards)
+        _, leaves, treedef = _tree.flatten_with_paths(shards)
+        group = self.mesh.group(self.config.shard_axes)
+        full_leaves = list(leaves)
+        with torch.no_grad():
+            for unit in plan.units:
+                if not unit.sharded:
+                    continue
+                dtype = unit.dtype
+                send = pack_shards(unit, [_plain(leaves[l.index]) for l in unit.sharded], dtype, self.mesh.device)
+                gathered = ops.all_gather_async(group, send).wait()
+                full = torch.empty(unit.full_numel, dtype=dtype, device=self.mesh.device)
+                copy_out(unit, gathered, full)
+                for layout, view in zip(unit.sharded, leaf_views(unit, full)):
+                    full_leaves[layout.index] = view.clone()
+        return _tree.unflatten(treedef, [_plain(x) for x in full_leaves])
+
+    @property
+    def specs(self):
+        """The spec tree of the shards (dim 0 over the shard axes; P() for whole leaves)."""
+        if self._last_plan is None:
+            raise ShardingError("step.specs: call step.shard_params(params) first; the specs describe its shards")
+        axes = self.config.shard_axes
+        entry = axes[0] if len(axes) == 1 else axes
+        plan = self._last_plan
+        return _tree.unflatten(plan.treedef, [PartitionSpec(entry) if l.sharded else PartitionSpec() for l in plan.leaves])
+
+    def stats(self) -> dict[str, int]:
+        """Collective bytes, count and peak gathered bytes of this rank's last call."""
+        rank = self.mesh.rank if self.mesh.in_rank() else 0
+        for (r, _), state in self._states.items():
+            if r == rank:
+                return dict(state.stats.values)
+        return dict.fromkeys(("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "num_collectives",
+                              "peak_gathered_bytes"), 0)
+
+    # -- the step -------------------------------------------------------------------------
+    def _plan_for(self, shards) -> Plan:
+        treedef = _tree.flatten(shards)[1]
+        plan = self._plans.get(treedef)
+        if plan is None:
+            known = f" (known structures: {list(self._plans)})" if self._plans else ""
+            raise ShardingError(
+                f"shard: these shards have a tree structure this step has not laid out{known}.\n"
+                f"Fix: create them with step.shard_params(params) on every rank, and pass that tree."
+            )
+        return plan
+
+    def _state(self, plan: Plan) -> RankState:
+        key = (self.mesh.rank, id(plan))
+        state = self._states.get(key)
+        if state is None or state.plan is not plan:
+            state = self._states[key] = RankState(plan, self.mesh, self.config)
+        return state
+
+    def _check_shards(self, plan: Plan, paths, leaves, index: int) -> None:
+        for layout, path, leaf in zip(plan.leaves, paths, leaves):
+            expected = layout.local_shape(index, plan.k) if layout.sharded else layout.shape
+            if not isinstance(leaf, torch.Tensor) or tuple(leaf.shape) != expected:
+                got = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+                raise ShardingError(
+                    f"shard: shards{_tree.keystr(path)} has shape {got}, but this rank's shard of a "
+                    f"{layout.shape} leaf over axes {self.config.shard_axes} has shape {expected}.\n"
+                    f"Fix: pass the tree returned by step.shard_params (or updates of it of the same shapes)."
+                )
+
+    def _prepare_batch(self, batch, device):
+        mp = self.config.mixed_precision
+        cast = mp.param_dtype if (mp is not None and mp.cast_inputs) else None
+
+        def fix(path, x):
+            if isinstance(x, torch.Tensor):
+                if x.device != device:
+                    raise ShardingError(
+                        f"shard: batch{_tree.keystr(path)} is on {x.device}, but the shards are on {device}.\n"
+                        f"Fix: move the batch to {device} (mesh.device) before calling the step."
+                    )
+                if cast is not None and x.is_floating_point():
+                    return x.to(cast)
+            return x
+
+        paths, leaves, treedef = _tree.flatten_with_paths(batch)
+        return _tree.unflatten(treedef, [fix(p, x) for p, x in zip(paths, leaves)])
+
+    def __call__(self, shards, batch, *rest):
+        if bound_mesh() is not None:
+            raise ShardingError("shard: a shard step cannot run inside another shard / shard_map")
+        mesh = self.mesh
+        if not mesh.in_rank():
+            raise ShardingError(
+                "shard: the step runs on a rank, with this rank's shards and local batch; this thread is "
+                f"not a rank of the simulated mesh {mesh.shape}.\nFix: mesh.run(lambda: train(...)) — "
+                "do the whole training loop inside mesh.run."
+            )
+        plan = self._plan_for(shards)
+        paths, leaves, treedef = _tree.flatten_with_paths(shards)
+        state = self._state(plan)
+        self._check_shards(plan, paths, leaves, state.shard_index)
+        device = next((x.device for x in leaves), mesh.device)
+        batch = self._prepare_batch(batch, device)
+        with torch.no_grad():
+            state.begin_step([_plain(x) for x in leaves])
+
+        def resolve(i: int):
+            if not state.in_forward:
+                raise ShardingError(
+                    f"shard: params{_tree.keystr(plan.leaves[i].path)} was read outside the forward of the "
+                    f"step. Units are gathered only while loss_fn runs, and with reshard_after_forward=True "
+                    f"each unit's full parameters are released after the forward.\nFix: read parameters "
+                    f"inside loss_fn; for evaluation use step.unshard_params(shards)."
+                )
+            u = plan.unit_of[i]
+            unit = state.units[u]
+            if unit.outputs is None:
+                order = unit.plan.sharded + unit.plan.replicated
+                outs = GatherUnit.apply(state, u, *[leaves[l.index] for l in order])
+                unit.outputs = {l.index: o for l, o in zip(order, outs)}
+            else:
+                state.regather_in_forward(u)
+            return unit.outputs[i]
+
+        view = make_view(treedef, len(leaves), resolve)
+        try:
+            with binding(mesh):
+                out = self.loss_fn(view, batch, *rest)
+        finally:
+            state.end_forward()
+        loss, aux = (out if self.config.has_aux else (out, None))
+        if self.config.has_aux and not (isinstance(out, tuple) and len(out) == 2):
+            raise ShardingError("shard(has_aux=True): loss_fn must return a pair (loss, aux)")
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ShardingError(
+                f"shard: loss_fn must return a scalar tensor (0-dim), got {what}.\nFix: reduce it, e.g. "
+                f"loss.mean(); to return more, use has_aux=True and return (loss, aux)."
+            )
+        loss = LossMean.apply(loss, state)
+        mp = self.config.mixed_precision
+        if mp is not None and mp.output_dtype is not None:
+            loss = loss.to(mp.output_dtype)
+        return (loss, aux) if self.config.has_aux else loss
+
+
+def shard(
+    loss_fn: Callable,
+    mesh,
+    *,
+    data_axes="data",
+    shard_axes=None,
+    units: Callable[[tuple], Hashable] | None = None,
+    reshard_after_forward: bool = True,
+    prefetch: int = 1,
+    mixed_precision: MixedPrecision | None = None,
+    has_aux: bool = False,
+    replicated: Callable[[tuple], bool] | None = None,
+) -> Shard:
+    """Turn `loss_fn(params, batch, *rest) -> scalar` into a fully sharded data-parallel step.
+
+    Args:
+      loss_fn: a pure function of a parameter pytree and this rank's batch.
+      mesh: the mesh; the step runs on its ranks (inside `mesh.run` or under torchrun).
+      data_axes: axes the batch is split over; the loss and gradients are averaged over them.
+      shard_axes: axes the parameters are sharded over (default: `data_axes`); a subset
+        of `data_axes` gives hybrid sharding (HSDP): replicated over the others.
+      units: `key_path -> unit key` grouping leaves into units gathered together (default:
+        each element of the first list/tuple in the tree, plus one root unit).
+      reshard_after_forward: release each unit's full parameters after the forward and
+        gather them again in the backward (ZeRO-3); False keeps them until their gradient
+        is reduced (fewer all-gathers, more memory).
+      prefetch: how many units ahead to all-gather asynchronously (order learned from the
+        previous call).
+      mixed_precision: `MixedPrecision(param_dtype, reduce_dtype, output_dtype)`.
+      has_aux: `loss_fn` returns `(loss, aux)`; the step returns the same pair.
+      replicated: `key_path -> bool` marking leaves to keep whole on every rank (their
+        gradient is all-reduced); 0-dim and non-float leaves always are.
+
+    Returns:
+      A `Shard` step: call it as `step(shards, batch, *rest)`; it has `shard_params`,
+      `unshard_params`, `specs` and `stats()`.
+
+    Example:
+      >>> import shardfn as sf, torch
+      >>> mesh = sf.local_mesh({"data": 2})
+      >>> def loss_fn(params, batch):
+      ...     x, y = batch
+      ...     return ((x @ params["w"] - y) ** 2).mean()
+      >>> step = sf.shard(loss_fn, mesh)
+      >>> def train():
+      ...     g = torch.Generator().manual_seed(0)
+      ...     shards = step.shard_params({"w": torch.ones(4, 1)})
+      ...     x = torch.randn(8, 4, generator=g); batch = (x, x.sum(1, keepdim=True))
+      ...     loss, grads = torch.func.grad_and_value(step)(shards, batch)
+      ...     return tuple(grads["w"].shape)
+      >>> mesh.run(train)
+      [(2, 1), (2, 1)]
+    """
+    data = mesh.axes(data_axes, where="shard(data_axes=...)")
+    sharded = data if shard_axes is None else mesh.axes(shard_axes, where="shard(shard_axes=...)")
+    stray = [a for a in sharded if a not in data]
+    if stray:
+        raise SpecError(
+            f"shard: shard_axes {sharded} must be a subset of data_axes {data}; {stray} are not data axes.\n"
+            f"Fix: add them to data_axes (HSDP: data_axes=('replica', 'shard'), shard_axes='shard')."
+        )
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise SpecError(f"shard: prefetch must be a non-negative int, got {prefetch!r}")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise SpecError("shard: mixed_precision must be sf.MixedPrecision(param_dtype=..., reduce_dtype=...)")
+    config = _Config(data, sharded, units, bool(reshard_after_forward), prefetch, mixed_precision, has_aux, replicated)
+    return Shard(loss_fn, mesh, config)

@@ -1,0 +1,237 @@
+"""The layout plan of `shard`: units, per-leaf chunks, and the flat communication buffers.
+
+Layout = FSDP2's: each sharded leaf is split on dim 0 with `torch.chunk` over the shard
+group, so rank i holds rows [i*c, min((i+1)*c, n)) with c = ceil(n / k). A unit's leaves
+travel together in one flat buffer per collective:
+
+  shard buffer (S,)          = [leaf_0 chunk padded to c_0 rows | leaf_1 chunk padded | ...]
+  gathered buffer (k, S)     = every rank's shard buffer, rank-major (all-gather output)
+  unsharded buffer (k*S,)    = [leaf_0 padded to k*c_0 rows | leaf_1 ... ] (leaf-major),
+                               so each full leaf is a contiguous view of its first n_j rows.
+
+Copy-in is one `torch.cat`, copy-out one `torch.split_with_sizes_copy` (the (k, S) ->
+leaf-major transpose), and the gradient pack is the same transpose in reverse. Padding
+lives only in these buffers; shards themselves are never padded.
+
+Plans are built once per (tree structure, shapes, dtypes) and cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Hashable
+
+import torch
+
+from . import _tree
+from ._errors import ShardingError, SpecError
+from ._spec import chunk_bounds
+
+__all__ = ["LeafLayout", "UnitPlan", "Plan", "build_plan", "default_unit"]
+
+ROOT = "<root>"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    index: int  # position in the flattened params
+    path: tuple
+    shape: tuple[int, ...]  # global shape
+    dtype: torch.dtype
+    sharded: bool  # False: every rank keeps the whole leaf (0-dim, non-float, or marked)
+    rows: int = 0  # n: global dim-0 size
+    row_numel: int = 1  # elements per dim-0 row
+    chunk: int = 0  # c: rows per block (torch.chunk)
+    offset: int = 0  # where this leaf's padded chunk starts in the shard buffer
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.chunk * self.row_numel
+
+    def local_rows(self, index: int, k: int) -> int:
+        start, stop = chunk_bounds(self.rows, k, index)
+        return stop - start
+
+    def local_shape(self, index: int, k: int) -> tuple[int, ...]:
+        return (self.local_rows(index, k),) + self.shape[1:]
+
+
+@dataclasses.dataclass
+class UnitPlan:
+    key: Hashable
+    position: int  # order of definition (first leaf's position)
+    sharded: list[LeafLayout]
+    replicated: list[LeafLayout]
+    k: int  # shard group size
+    shard_numel: int  # S
+    dtype: torch.dtype | None  # dtype of the sharded leaves (before mixed precision)
+
+    @property
+    def is_root(self) -> bool:
+        return self.key == ROOT
+
+    @property
+    def full_numel(self) -> int:
+        return self.k * self.shard_numel
+
+    def name(self) -> str:
+        return "root unit" if self.is_root else f"unit {self.key!r}"
+
+
+@dataclasses.dataclass
+class Plan:
+    treedef: Any
+    leaves: list[LeafLayout]
+    units: list[UnitPlan]
+    unit_of: list[int]  # leaf index -> unit index
+    k: int
+
+
+def default_unit(paths: list[tuple]) -> Callable[[tuple], Hashable]:
+    """Each element of the first list/tuple found in the tree is a unit; the rest is root."""
+    prefix = None
+    for path in paths:
+        # The first position whose key is an int names a sequence node.
+        for depth, key in enumerate(path):
+            if isinstance(key, int):
+                prefix = path[:depth]
+                break
+        if prefix is not None:
+            break
+
+    def unit_of(path: tuple):
+        if prefix is not None and len(path) > len(prefix) and path[: len(prefix)] == prefix:
+            return prefix + (path[len(prefix)],)
+        return ROOT
+
+    return unit_of
+
+
+def _describe_leaf(path, leaf) -> str:
+    return f"params{_tree.keystr(path)}"
+
+
+def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None) -> Plan:
+    """Lay out `params` (global shapes) over a shard group of size k."""
+    paths, leaves, treedef = _tree.flatten_with_paths(params)
+    problems = []
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            problems.append(
+                f"{_describe_leaf(path, leaf)} is a {type(leaf).__name__}, not a tensor; fix: make it a "
+                f"tensor, or keep non-tensor settings out of the params tree (close over them)"
+            )
+    if problems:
+        from ._errors import bullet_list
+
+        raise ShardingError("shard: every leaf of params must be a tensor:\n" + bullet_list(problems))
+    if not leaves:
+        raise ShardingError("shard: params has no tensors to shard")
+    unit_fn = units if units is not None else default_unit(list(paths))
+    keys: dict[Hashable, int] = {}
+    unit_of: list[int] = []
+    members: list[list[tuple[int, tuple, torch.Tensor]]] = []
+    for i, (path, leaf) in enumerate(zip(paths, leaves)):
+        key = unit_fn(path)
+        key = ROOT if key is None else key
+        if key not in keys:
+            keys[key] = len(members)
+            members.append([])
+        members[keys[key]].append((i, path, leaf))
+        unit_of.append(keys[key])
+    layouts: list[LeafLayout | None] = [None] * len(leaves)
+    unit_plans = []
+    for position, (key, idx) in enumerate(keys.items()):
+        sharded, repl, offset, dtypes = [], [], 0, set()
+        for i, path, leaf in members[idx]:
+            is_float = leaf.is_floating_point() or leaf.is_complex()
+            keep_whole = leaf.dim() == 0 or not is_float or (replicated is not None and replicated(path))
+            if keep_whole:
+                layout = LeafLayout(i, path, tuple(leaf.shape), leaf.dtype, sharded=False)
+                repl.append(layout)
+            else:
+                n = leaf.shape[0]
+                c = math.ceil(n / k) if n else 0
+                row = math.prod(leaf.shape[1:])
+                layout = LeafLayout(i, path, tuple(leaf.shape), leaf.dtype, True, n, row, c, offset)
+                offset += c * row
+                sharded.append(layout)
+                dtypes.add(leaf.dtype)
+            layouts[i] = layout
+        if len(dtypes) > 1:
+            listing = ", ".join(f"params{_tree.keystr(l.path)}: {l.dtype}" for l in sharded)
+            raise SpecError(
+                f"shard: the leaves of unit {key!r} have different dtypes ({listing}); a unit travels in "
+                f"one flat buffer of one dtype.\nFix: cast them to one dtype, set "
+                f"mixed_precision=sf.MixedPrecision(param_dtype=...), or split them with units=."
+            )
+        unit_plans.append(UnitPlan(key, position, sharded, repl, k, offset, next(iter(dtypes), None)))
+    return Plan(treedef, layouts, unit_plans, unit_of, k)
+
+
+# -- flat buffers ------------------------------------------------------------------------
+
+
+def pack_shards(unit: UnitPlan, shards: list[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
+    """Copy-in: this rank's shards -> the (S,) shard buffer in `dtype`, zero-padded."""
+    pieces = []
+    for layout, shard in zip(unit.sharded, shards):
+        flat = shard.reshape(-1).to(dtype)
+        pad = layout.chunk_numel - flat.numel()
+        pieces.append(torch.nn.functional.pad(flat, (0, pad)) if pad else flat)
+    if not pieces:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def region_views(unit: UnitPlan, full: torch.Tensor) -> list[torch.Tensor]:
+    """Per leaf, its (k, c*row) region of the leaf-major unsharded buffer."""
+    out, start = [], 0
+    for layout in unit.sharded:
+        size = unit.k * layout.chunk_numel
+        out.append(full.narrow(0, start, size).view(unit.k, layout.chunk_numel))
+        start += size
+    return out
+
+
+def leaf_views(unit: UnitPlan, full: torch.Tensor) -> list[torch.Tensor]:
+    """Per leaf, the full (unpadded) tensor as a view of the unsharded buffer."""
+    out, start = [], 0
+    for layout in unit.sharded:
+        out.append(full.narrow(0, start, layout.rows * layout.row_numel).view(layout.shape))
+        start += unit.k * layout.chunk_numel
+    return out
+
+
+def copy_out(unit: UnitPlan, gathered: torch.Tensor, full: torch.Tensor) -> None:
+    """(k, S) rank-major gathered buffer -> leaf-major unsharded buffer, one pass."""
+    sizes = [layout.chunk_numel for layout in unit.sharded]
+    torch.split_with_sizes_copy(gathered.view(unit.k, unit.shard_numel), sizes, dim=1, out=region_views(unit, full))
+
+
+def pack_grads(unit: UnitPlan, grads: list[torch.Tensor | None], dtype, device, lead: tuple[int, ...] = ()) -> torch.Tensor:
+    """Full-leaf grads (leading batch dims `lead`) -> (k, *lead, S) for a reduce-scatter."""
+    k = unit.k
+    pieces = []
+    for layout, g in zip(unit.sharded, grads):
+        if g is None:
+            pieces.append(torch.zeros(lead + (k, layout.chunk_numel), dtype=dtype, device=device))
+            continue
+        flat = g.reshape(lead + (-1,)).to(dtype)
+        pad = k * layout.chunk_numel - flat.shape[-1]
+        if pad:
+            flat = torch.nn.functional.pad(flat, (0, pad))
+        pieces.append(flat.reshape(lead + (k, layout.chunk_numel)))
+    packed = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]  # (*lead, k, S)
+    return packed.movedim(len(lead), 0).contiguous()
+
+
+def unpack_shard_grads(unit: UnitPlan, flat: torch.Tensor, index: int, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """(*lead, S) reduce-scattered buffer -> this rank's unpadded shard grads."""
+    out = []
+    for layout in unit.sharded:
+        rows = layout.local_rows(index, unit.k)
+        piece = flat.narrow(-1, layout.offset, rows * layout.row_numel)
+        out.append(piece.reshape(lead + (rows,) + layout.shape[1:]))
+    return out

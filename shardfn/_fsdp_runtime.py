@@ -1,0 +1,403 @@
+"""The per-rank machinery of `shard`: unit states, the gather/free/re-gather schedule,
+and the autograd Functions that move parameters and gradients.
+
+[Note: why storage is freed, not the tensor] A unit's full parameters are views of one
+flat unsharded buffer. Ops that used them saved those views for their backward. After a
+unit's forward we release the buffer's storage (`untyped_storage().resize_(0)`), and
+before its backward ops run we resize it back and all-gather into it again: the saved
+views see the data again without autograd knowing. Writes go through `.data` (a tensor
+sharing the storage but not the version counter), so the restore is not an in-place op
+that would invalidate saved tensors. `torch.func` refuses saved-tensor hooks, so this is
+the mechanism that works under `grad` / `vjp` as well as `loss.backward()`.
+
+[Note: backward order] The autograd engine runs ready nodes highest sequence number first.
+Unit k's `_GatherUnit` node was created when unit k was first touched in the forward,
+after every op of unit k-1, so its backward (the reduce-scatter of unit k's gradients)
+runs before unit k-1's backward ops: that is where unit k-1 is re-gathered. The last unit
+is re-gathered by the backward of the loss (`_LossMean`), which runs first of all. This
+assumes units are used one after another in the forward (a layer stack); a unit's
+parameters used again after later units, or used only through a detached path, can find
+their storage released: keep such leaves in the root unit or use
+`reshard_after_forward=False`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+
+import torch
+
+from ._backend import ops
+from ._errors import ShardingError
+from ._fsdp_plan import UnitPlan, copy_out, leaf_views, pack_grads, pack_shards, unpack_shard_grads
+
+__all__ = ["RankState", "UnitRuntime", "GatherUnit", "LossMean"]
+
+
+def _raw():
+    """Plain-tensor mode for our own buffers: no functorch lifting, no autograd.
+
+    Schedule work (gathers, frees) also runs inside backward functions, where functorch
+    would otherwise wrap the results of ops on our plain buffers."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._C._DisableFuncTorch())
+    stack.enter_context(torch.no_grad())
+    return stack
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # no unsharded storage
+    GATHERING = "gathering"  # storage allocated, all-gather in flight
+    GATHERED = "gathered"  # full parameters valid
+
+
+class Stats:
+    KEYS = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "num_collectives", "peak_gathered_bytes")
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.values = dict.fromkeys(self.KEYS, 0)
+        self.live = 0
+
+    def collective(self, kind: str, nbytes: int) -> None:
+        self.values[f"{kind}_bytes"] += nbytes
+        self.values["num_collectives"] += 1
+
+    def hold(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.values["peak_gathered_bytes"] = max(self.values["peak_gathered_bytes"], self.live)
+
+
+class UnitRuntime:
+    """One unit on one rank: its unsharded buffer, state and this step's shards."""
+
+    def __init__(self, plan: UnitPlan, rank_state: "RankState"):
+        self.plan = plan
+        self.rs = rank_state
+        self.dtype = rank_state.param_dtype or plan.dtype
+        self.full: torch.Tensor | None = None  # 1-D, k * S elements, leaf-major (see _fsdp_plan)
+        self._full_data: torch.Tensor | None = None  # `.data` of full: writes skip the version counter
+        self.state = UnitState.SHARDED
+        self.pending = None  # (ops.Pending, recv buffer) while GATHERING
+        self.shards: list[torch.Tensor] = []  # this step's plain shard tensors (sharded leaves)
+        self.outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
+        self.backward_done = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.plan.full_numel * self.dtype.itemsize if self.plan.sharded else 0
+
+    # -- gather / free ------------------------------------------------------------------
+    def start_gather(self) -> None:
+        with _raw():
+            self._start_gather()
+
+    def _start_gather(self) -> None:
+        if self.state is not UnitState.SHARDED or not self.plan.sharded:
+            if not self.plan.sharded:
+                self.state = UnitState.GATHERED
+            return
+        rs = self.rs
+        if self.full is None:
+            self.full = torch.empty(self.plan.full_numel, dtype=self.dtype, device=rs.device)
+            self._full_data = self.full.data
+        else:
+            self._full_data.untyped_storage().resize_(self.nbytes)
+        rs.stats.hold(self.nbytes)
+        send = pack_shards(self.plan, self.shards, self.dtype, rs.device)
+        pending = ops.all_gather_async(rs.shard_group, send)
+        rs.stats.collective("all_gather", self.nbytes)
+        self.pending = pending
+        self.state = UnitState.GATHERING
+
+    def finish_gather(self) -> None:
+        with _raw():
+            self._finish_gather()
+
+    def _finish_gather(self) -> None:
+        if self.state is UnitState.SHARDED:
+            self._start_gather()
+        if self.state is UnitState.GATHERING:
+            gathered = self.pending.wait()  # (k, S), logical rank order
+            self.pending = None
+            copy_out(self.plan, gathered, self._full_data)
+            self.state = UnitState.GATHERED
+
+    def free(self) -> None:
+        if not self.plan.sharded or self.state is UnitState.SHARDED:
+            return
+        if self.state is UnitState.GATHERING:
+            self.pending.wait()
+            self.pending = None
+        self._full_data.untyped_storage().resize_(0)
+        self.rs.stats.hold(-self.nbytes)
+        self.state = UnitState.SHARDED
+
+    def views(self) -> list[torch.Tensor]:
+        # Views of `full` (not of `_full_data`): our writes bump only `_full_data`'s version
+        # counter, so tensors saved for backward stay valid. [Note: why storage is freed...]
+        return leaf_views(self.plan, self.full)
+
+    # -- gradients ------------------------------------------------------------------------
+    def reduce_gradients(self, grads, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:
+        """Full-leaf grads -> this rank's shard grads (sharded) and all-reduced grads (replicated)."""
+        rs, plan = self.rs, self.plan
+        n_sharded = len(plan.sharded)
+        sharded_grads, repl_grads = list(grads[:n_sharded]), list(grads[n_sharded:])
+        out: list[torch.Tensor] = []
+        if plan.sharded:
+            reduce_dtype = rs.reduce_dtype or self.dtype
+            packed = pack_grads(plan, sharded_grads, reduce_dtype, rs.device, lead)  # (k, *lead, S)
+            rs.stats.collective("reduce_scatter", packed.numel() * packed.element_size())
+            flat = ops.reduce_scatter_async(rs.shard_group, packed).wait()  # (*lead, S)
+            if rs.replica_group is not None:
+                rs.stats.collective("all_reduce", flat.numel() * flat.element_size())
+                flat = ops.all_reduce(rs.replica_group, flat)
+            for layout, g in zip(plan.sharded, unpack_shard_grads(plan, flat, rs.shard_index, lead)):
+                out.append(g.to(layout.dtype))
+        if plan.replicated:
+            out.extend(self._all_reduce_replicated(repl_grads, lead))
+        return out
+
+    def _all_reduce_replicated(self, grads, lead) -> list[torch.Tensor]:
+        rs = self.rs
+        filled = [
+            (g if g is not None else torch.zeros(lead + layout.shape, dtype=layout.dtype, device=rs.device))
+            for layout, g in zip(self.plan.replicated, grads)
+        ]
+        floats = [i for i, layout in enumerate(self.plan.replicated) if layout.dtype.is_floating_point]
+        if floats and rs.data_group.size > 1:
+            dtype = rs.reduce_dtype or torch.promote_types(*(filled[i].dtype for i in floats), torch.float32)
+            flat = torch.cat([filled[i].reshape(lead + (-1,)).to(dtype) for i in floats], dim=-1)
+            rs.stats.collective("all_reduce", flat.numel() * flat.element_size())
+            flat = ops.all_reduce(rs.data_group, flat)
+            start = 0
+            for i in floats:
+                n = filled[i][(0,) * len(lead)].numel() if lead else filled[i].numel()
+                filled[i] = flat.narrow(-1, start, n).reshape(filled[i].shape).to(filled[i].dtype)
+                start += n
+        return filled
+
+
+class RankState:
+    """Everything `shard` keeps for one rank: unit runtimes, access order, statistics."""
+
+    def __init__(self, plan, mesh, config):
+        self.plan = plan
+        self.config = config
+        self.device = mesh.device
+        self.shard_group = mesh.group(config.shard_axes)
+        self.data_group = mesh.group(config.data_axes)
+        replica_axes = tuple(a for a in config.data_axes if a not in config.shard_axes)
+        self.replica_group = mesh.group(replica_axes) if replica_axes and mesh.axis_size(replica_axes) > 1 else None
+        self.shard_index = self.shard_group.index
+        mp = config.mixed_precision
+        self.param_dtype = mp.param_dtype if mp is not None else None
+        self.reduce_dtype = mp.reduce_dtype if mp is not None else None
+        self.units = [UnitRuntime(u, self) for u in plan.units]
+        self.stats = Stats()
+        self.order: list[int] = []  # units in first-access order, this step
+        self.prev_order: list[int] = []  # ... on the previous step (prefetch plan)
+        self.in_forward = False
+
+    # -- step lifecycle -------------------------------------------------------------------
+    def begin_step(self, shard_leaves: list[torch.Tensor]) -> None:
+        for unit in self.units:
+            unit.free()
+        self.stats.reset()
+        self.prev_order, self.order = (self.order or self.prev_order), []
+        for unit in self.units:
+            unit.outputs = None
+            unit.backward_done = False
+            unit.shards = [shard_leaves[layout.index] for layout in unit.plan.sharded]
+        self.in_forward = True
+
+    def end_forward(self) -> None:
+        self.in_forward = False
+        if self.config.reshard_after_forward:
+            for i in self.order:
+                if not self.units[i].plan.is_root:
+                    self.units[i].free()
+
+    # -- the schedule ---------------------------------------------------------------------
+    def enter(self, u: int, inputs: tuple) -> None:
+        """Forward: unit u is touched for the first time (inside _GatherUnit.forward)."""
+        unit = self.units[u]
+        n = len(unit.plan.sharded)
+        unit.shards = list(inputs[:n])
+        self.order.append(u)
+        if self.config.reshard_after_forward and not unit.plan.is_root:
+            for other in self.units:
+                if other is not unit and not other.plan.is_root and other.state is UnitState.GATHERED:
+                    other.free()
+        unit.finish_gather()
+        self._prefetch_after(u, self.prev_order)
+
+    def regather_in_forward(self, u: int) -> None:
+        """Forward: a unit released earlier in this forward is touched again."""
+        unit = self.units[u]
+        if unit.state is not UnitState.GATHERED:
+            unit.finish_gather()
+
+    def _prefetch_after(self, u: int, order: list[int]) -> None:
+        k = self.config.prefetch
+        if k <= 0 or u not in order:
+            return
+        pos = order.index(u)
+        for nxt in order[pos + 1 : pos + 1 + k]:
+            if self.units[nxt].plan.sharded:
+                self.units[nxt].start_gather()
+
+    def backward_start(self) -> None:
+        """Backward of the loss: re-gather the units whose backward comes first."""
+        if not self.config.reshard_after_forward:
+            return
+        pending = [i for i in reversed(self.order) if not self.units[i].backward_done]
+        for i in pending[: 1 + max(self.config.prefetch, 0)]:
+            self.units[i].start_gather()
+        if pending:
+            self.units[pending[0]].finish_gather()
+
+    def unit_backward(self, u: int) -> None:
+        """Backward of unit u's gather (its grads are complete): free it, bring the next ones."""
+        unit = self.units[u]
+        unit.backward_done = True
+        unit.free()
+        if not self.config.reshard_after_forward:
+            return
+        pos = self.order.index(u) if u in self.order else 0
+        upcoming = [i for i in reversed(self.order[:pos]) if not self.units[i].backward_done]
+        for i in upcoming[: 1 + max(self.config.prefetch, 0)]:
+            self.units[i].start_gather()
+        if upcoming:
+            self.units[upcoming[0]].finish_gather()
+
+
+# -- autograd Functions ------------------------------------------------------------------
+
+
+class GatherUnit(torch.autograd.Function):
+    """Shards of one unit -> its full leaves (views of the unit's unsharded buffer).
+
+    Backward: one reduce-scatter of the unit's gradients (through ReduceScatterUnit, so it
+    also works on functorch-wrapped cotangents)."""
+
+    @staticmethod
+    def forward(rs: RankState, u: int, *inputs):
+        rs.enter(u, inputs)
+        unit = rs.units[u]
+        n = len(unit.plan.sharded)
+        return tuple(unit.views()) + tuple(x.view_as(x) for x in inputs[n:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.rs, ctx.u = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.rs.unit_backward(ctx.u)
+        return (None, None) + tuple(ReduceScatterUnit.apply(ctx.rs, ctx.u, *grads))
+
+    @staticmethod
+    def jvp(ctx, _rs, _u, *tangents):
+        return tuple(GatherTangent.apply(ctx.rs, ctx.u, *tangents))
+
+    @staticmethod
+    def vmap(info, in_dims, rs, u, *inputs):
+        if any(d is not None for d in in_dims[2:]):
+            raise ShardingError(
+                "shard: vmap over batched (stacked) shards is not supported yet; vmap over the batch "
+                "instead, e.g. torch.func.vmap(torch.func.grad(step), in_dims=(None, 0))."
+            )
+        outs = GatherUnit.apply(rs, u, *inputs)
+        return outs, (None,) * len(outs)
+
+
+class ReduceScatterUnit(torch.autograd.Function):
+    @staticmethod
+    def forward(rs: RankState, u: int, *grads):
+        return tuple(rs.units[u].reduce_gradients(grads))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *gg):
+        raise ShardingError("shard: differentiating through the gradient reduce-scatter (double backward) is not supported")
+
+    @staticmethod
+    def vmap(info, in_dims, rs, u, *grads):
+        dims = in_dims[2:]
+        size = info.batch_size
+        front = []
+        for g, d in zip(grads, dims):
+            if g is None:
+                front.append(None)
+            elif d is None:
+                front.append(g.unsqueeze(0).expand((size,) + tuple(g.shape)))
+            else:
+                front.append(g.movedim(d, 0))
+        outs = rs.units[u].reduce_gradients(front, lead=(size,))
+        return tuple(outs), (0,) * len(outs)
+
+
+class GatherTangent(torch.autograd.Function):
+    """Forward mode: the tangents of a unit's shards -> tangents of its full leaves."""
+
+    @staticmethod
+    def forward(rs: RankState, u: int, *tangents):
+        unit = rs.units[u]
+        plan = unit.plan
+        n = len(plan.sharded)
+        out = []
+        if plan.sharded:
+            zero = [t if t is not None else torch.zeros(l.local_shape(rs.shard_index, plan.k), dtype=unit.dtype, device=rs.device)
+                    for l, t in zip(plan.sharded, tangents[:n])]
+            send = pack_shards(plan, zero, unit.dtype, rs.device)
+            gathered = ops.all_gather_async(rs.shard_group, send).wait()
+            full = torch.empty(plan.full_numel, dtype=unit.dtype, device=rs.device)
+            copy_out(plan, gathered, full)
+            out.extend(leaf_views(plan, full))
+        out.extend(t if t is not None else torch.zeros(l.shape, dtype=l.dtype) for l, t in zip(plan.replicated, tangents[n:]))
+        return tuple(out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *gs):
+        raise ShardingError("shard: reverse mode over forward mode through a unit gather is not supported")
+
+
+class LossMean(torch.autograd.Function):
+    """Mean of the per-rank loss over the data axes. Backward: scale by 1/N (no collective:
+    every rank seeds the same cotangent) and start re-gathering for the backward."""
+
+    @staticmethod
+    def forward(loss, rs: RankState):
+        rs.stats.collective("all_reduce", loss.numel() * loss.element_size())
+        return ops.all_reduce(rs.data_group, loss) / rs.data_group.size
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.rs = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.rs.backward_start()
+        return g / ctx.rs.data_group.size, None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        from ._collectives import _Psum
+
+        return _Psum.apply(t, ctx.rs.data_group) / ctx.rs.data_group.size
+
+    @staticmethod
+    def vmap(info, in_dims, loss, rs):
+        return LossMean.apply(loss, rs), in_dims[0]

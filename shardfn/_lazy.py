@@ -1,0 +1,85 @@
+"""A read-only view of a parameter tree whose leaves are fetched on first access.
+
+`shard` hands the loss function this view instead of the full parameters: indexing
+down to a leaf asks the resolver for it, which all-gathers that leaf's unit on first use.
+Mapping and sequence access work (`params["layers"][3]["w"]`, `len`, iteration, `.items()`),
+so a unit's sub-dict can go straight into `torch.func.functional_call`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+from . import _tree
+
+__all__ = ["ParamsView", "make_view"]
+
+
+class _Leaf:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class ParamsView:
+    """Base of the view containers; `resolve(index)` returns the full leaf."""
+
+    __slots__ = ("_node", "_resolve")
+
+    def __init__(self, node, resolve: Callable[[int], Any]):
+        self._node = node
+        self._resolve = resolve
+
+    def _wrap(self, child):
+        if isinstance(child, _Leaf):
+            return self._resolve(child.index)
+        if isinstance(child, Mapping):
+            return ViewDict(child, self._resolve)
+        if isinstance(child, (list, tuple)):
+            return ViewList(child, self._resolve)
+        return child
+
+    def __setitem__(self, key, value):
+        raise TypeError(
+            "the params seen by a shard loss_fn are a read-only view of the gathered parameters; "
+            "build a new dict instead of assigning into it"
+        )
+
+
+class ViewDict(ParamsView, Mapping):
+    __slots__ = ()
+
+    def __getitem__(self, key):
+        return self._wrap(self._node[key])
+
+    def __iter__(self):
+        return iter(self._node)
+
+    def __len__(self):
+        return len(self._node)
+
+    def __repr__(self):
+        return f"ParamsView({{{', '.join(repr(k) for k in self._node)}}})"
+
+
+class ViewList(ParamsView, Sequence):
+    __slots__ = ()
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._wrap(c) for c in self._node[index]]
+        return self._wrap(self._node[index])
+
+    def __len__(self):
+        return len(self._node)
+
+    def __repr__(self):
+        return f"ParamsView(<sequence of {len(self._node)}>)"
+
+
+def make_view(treedef, num_leaves: int, resolve: Callable[[int], Any]):
+    """The view of a tree of `num_leaves` leaves with structure `treedef`."""
+    skeleton = _tree.unflatten(treedef, [_Leaf(i) for i in range(num_leaves)])
+    return ParamsView(None, resolve)._wrap(skeleton)
