@@ -24,3 +24,4 @@ from ._shard_map import shard_map as shard_map
 from ._fsdp import MixedPrecision as MixedPrecision
 from ._fsdp import Shard as Shard
 from ._fsdp import shard as shard
+from ._functional import functional as functional

@@ -197,9 +197,12 @@ class Shard:
                     f"Fix: pass the tree returned by step.shard_params (or updates of it of the same shapes)."
                 )
 
-    def _prepare_batch(self, batch, device):
+    def _prepare_batch(self, batch, device, plan: Plan):
         mp = self.config.mixed_precision
         cast = mp.param_dtype if (mp is not None and mp.cast_inputs) else None
+        compute = (mp.param_dtype if mp is not None else None) or next(
+            (u.dtype for u in plan.units if u.dtype is not None and u.dtype.is_floating_point), None
+        )
 
         def fix(path, x):
             if isinstance(x, torch.Tensor):
@@ -210,6 +213,12 @@ class Shard:
                     )
                 if cast is not None and x.is_floating_point():
                     return x.to(cast)
+                if compute is not None and x.is_floating_point() and x.dtype != compute:
+                    raise ShardingError(
+                        f"shard: batch{_tree.keystr(path)} has dtype {x.dtype}, but the parameters compute in "
+                        f"{compute}.\nFix: cast the batch (x.to({compute})), or let shard cast it with "
+                        f"mixed_precision=sf.MixedPrecision(param_dtype={compute})."
+                    )
             return x
 
         paths, leaves, treedef = _tree.flatten_with_paths(batch)
@@ -230,7 +239,7 @@ class Shard:
         state = self._state(plan)
         self._check_shards(plan, paths, leaves, state.shard_index)
         device = next((x.device for x in leaves), mesh.device)
-        batch = self._prepare_batch(batch, device)
+        batch = self._prepare_batch(batch, device, plan)
         with torch.no_grad():
             state.begin_step([_plain(x) for x in leaves])
 

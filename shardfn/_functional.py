@@ -1,0 +1,139 @@
+"""`sf.functional(module)`: an nn.Module as a pure function of a parameter tree.
+
+The tree follows the module tree (`params['transformer']['h'][3]['attn']['c_attn']['weight']`),
+the first `nn.ModuleList` / `nn.Sequential` becoming a list, so `shard`'s default units are
+its children. [Note: binding units around their own forward] `apply_fn` binds only the
+root leaves when it enters the model, and binds each child of that first list around the
+child's own forward call; under `shard` a unit is therefore gathered when its block runs,
+not all at once.
+
+[Note: a module copy per thread] `torch.func.functional_call` swaps module attributes in
+place, which is not thread-safe: rank threads of a simulated mesh sharing one module would
+mix each other's parameters. Each thread gets its own copy, whose parameters live on the
+meta device (no memory; the real values always come from the tree). Ties survive the
+copy, and buffers (persistent or not, e.g. rotary tables) are copied and used as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["functional"]
+
+
+def _walk(module: nn.Module, path: tuple, name: str, seen: set[int], leaves: list, children: dict):
+    """Build the params tree of `module`; record (tree path, dotted name) of every leaf and
+    the dotted module name of every child of a list container."""
+    if isinstance(module, (nn.ModuleList, nn.Sequential)):
+        node = []
+        for i, (child_name, child) in enumerate(module.named_children()):
+            child_dotted = f"{name}.{child_name}" if name else child_name
+            children[path + (i,)] = child_dotted
+            node.append(_walk(child, path + (i,), child_dotted, seen, leaves, children))
+        return node
+    node: dict = {}
+    for pname, p in module.named_parameters(recurse=False):
+        if p is not None and id(p) not in seen:
+            seen.add(id(p))
+            node[pname] = p.detach()
+            leaves.append((path + (pname,), f"{name}.{pname}" if name else pname))
+    for child_name, child in module.named_children():
+        sub = _walk(child, path + (child_name,), f"{name}.{child_name}" if name else child_name, seen, leaves, children)
+        if sub or isinstance(sub, list):
+            node[child_name] = sub
+    return node
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def functional(module: nn.Module) -> tuple[Callable, dict]:
+    """Split an `nn.Module` into `(apply_fn, params)`.
+
+    Args:
+      module: any module; its parameters become the tree, its buffers stay on it.
+
+    Returns:
+      `apply_fn(params, *args, **kwargs)` calling the module's forward with those
+      parameters, and `params`, a nested dict of detached parameter tensors following the
+      module tree (lists for `ModuleList` / `Sequential`). Tied parameters appear once.
+
+    Example:
+      >>> import shardfn as sf, torch
+      >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+      >>> apply_fn, params = sf.functional(net)
+      >>> [sorted(p) for p in params]
+      [['bias', 'weight'], [], ['bias', 'weight']]
+      >>> apply_fn(params, torch.ones(5, 3)).shape
+      torch.Size([5, 2])
+    """
+    leaves: list[tuple[tuple, str]] = []
+    children: dict[tuple, str] = {}
+    params = _walk(module, (), "", set(), leaves, children)
+    # The unit stack: the first list in the tree, found the way shard's default units are.
+    stack = next((p[:d] for p, _ in leaves for d, k in enumerate(p) if isinstance(k, int)), None)
+    if stack is None and isinstance(params, list):
+        stack = ()
+    units: dict[int, tuple[str, list]] = {}
+    root: list[tuple[tuple, str]] = []
+    for path, dotted in leaves:
+        if stack is not None and len(path) > len(stack) and path[: len(stack)] == stack:
+            i = path[len(stack)]
+            child = children[stack + (i,)]
+            units.setdefault(i, (child, []))[1].append((path, dotted[len(child) + 1 :]))
+        else:
+            root.append((path, dotted))
+    local = threading.local()
+
+    def thread_module() -> nn.Module:
+        copy_ = getattr(local, "module", None)
+        if copy_ is None:
+            copy_ = local.module = _meta_copy(module)
+            for child_name, paths in units.values():
+                _bind_child(copy_.get_submodule(child_name), paths, local)
+        return copy_
+
+    def apply_fn(params, *args, **kwargs):
+        m = thread_module()
+        bound = {name: _get(params, p) for p, name in root}
+        previous = getattr(local, "params", None)
+        local.params = params
+        try:
+            return torch.func.functional_call(m, bound, args, kwargs, strict=False)
+        finally:
+            local.params = previous
+
+    return apply_fn, params
+
+
+def _bind_child(child: nn.Module, paths, local) -> None:
+    original = child.forward
+    active = threading.local()
+
+    def forward(*args, **kwargs):
+        if getattr(active, "on", False):
+            return original(*args, **kwargs)
+        unit = {name: _get(local.params, p) for p, name in paths}
+        active.on = True
+        try:
+            return torch.func.functional_call(child, unit, args, kwargs, strict=False)
+        finally:
+            active.on = False
+
+    child.forward = forward
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    memo = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for _, p in module.named_parameters(remove_duplicate=False)
+    }
+    return copy.deepcopy(module, memo)
