@@ -10,6 +10,7 @@ _fsdp_runtime.py.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import zlib
 from typing import Any, Callable, Hashable, NamedTuple
 
@@ -48,6 +49,7 @@ class _Config:
     mixed_precision: MixedPrecision | None
     has_aux: bool
     replicated: Callable[[tuple], bool] | None
+    frozen: Callable[[tuple], bool] | None
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -75,7 +77,9 @@ class Shard:
         self.loss_fn = loss_fn
         self.mesh = mesh
         self.config = config
-        self._plans: dict[Any, Plan] = {}
+        self._plans: dict[Any, Plan] = {}  # treedef -> the plan its shards follow
+        self._by_signature: dict[Any, Plan] = {}  # (treedef, shapes, dtypes) -> plan
+        self._lock = threading.Lock()
         self._last_plan: Plan | None = None
         self._states: dict[tuple[int, int], RankState] = {}
         self.__wrapped__ = loss_fn
@@ -90,10 +94,16 @@ class Shard:
         """
         mesh = self.mesh
         paths, leaves, treedef = _tree.flatten_with_paths(params)
-        plan = build_plan(params, mesh.axis_size(self.config.shard_axes), self.config.units, self.config.replicated)
         self._check_same_everywhere(paths, leaves)
-        self._plans[treedef] = plan
-        self._last_plan = plan
+        signature = (treedef, tuple((tuple(getattr(x, 'shape', ())), getattr(x, 'dtype', type(x))) for x in leaves))
+        with self._lock:  # rank threads share one plan per signature (and so its RankStates)
+            plan = self._by_signature.get(signature)
+            if plan is None:
+                plan = build_plan(params, mesh.axis_size(self.config.shard_axes), self.config.units,
+                                  self.config.replicated, self.config.frozen)
+                self._by_signature[signature] = plan
+            self._plans[treedef] = plan
+            self._last_plan = plan
         index = mesh.group(self.config.shard_axes).index
         shards = []
         for layout, leaf in zip(plan.leaves, leaves):
@@ -166,6 +176,50 @@ class Shard:
                 return dict(state.stats.values)
         return dict.fromkeys(("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "num_collectives",
                               "peak_gathered_bytes"), 0)
+
+    # -- gradient accumulation ------------------------------------------------------------
+    def accumulate(self, shards, micro_batches, *rest, mode: str = "reduce_each"):
+        """`(loss, grads)` of one step over several micro-batches, equal to one big batch.
+
+        Args:
+          shards: this rank's shards.
+          micro_batches: a sequence of this rank's micro-batches (equal sizes give exactly
+            the big-batch mean).
+          mode: "reduce_each" reduce-scatters every micro-batch's gradient and sums the
+            shards (memory: 1/N gradients; communication: one reduce-scatter per micro-batch);
+            "reduce_once" keeps each unit's unsharded gradient sum locally and reduce-scatters
+            it once, on the last micro-batch (communication: one reduce-scatter per unit per
+            step; memory: + one full-model gradient buffer in reduce dtype).
+
+        Returns:
+          The mean loss over micro-batches and the mean gradient, shaped like `shards`
+          (with `has_aux`, `((loss, [aux, ...]), grads)`).
+        """
+        if mode not in ("reduce_each", "reduce_once"):
+            raise SpecError(f"shard.accumulate: mode must be 'reduce_each' or 'reduce_once', got {mode!r}")
+        micro_batches = list(micro_batches)
+        if not micro_batches:
+            raise SpecError("shard.accumulate: micro_batches is empty")
+        state = self._state(self._plan_for(shards))
+        state.stats.reset()
+        state.keep_stats = True
+        total_loss, total, auxes = None, None, []
+        try:
+            for i, batch in enumerate(micro_batches):
+                state.accumulating = mode == "reduce_once" and i < len(micro_batches) - 1
+                grads, out = torch.func.grad_and_value(self, has_aux=self.config.has_aux)(shards, batch, *rest)
+                loss = out[0] if self.config.has_aux else out
+                if self.config.has_aux:
+                    auxes.append(out[1])
+                total_loss = loss if total_loss is None else total_loss + loss
+                total = grads if total is None else _tree.tree_map(torch.add, total, grads)
+        finally:
+            state.accumulating = False
+            state.keep_stats = False
+        m = len(micro_batches)
+        mean_loss = total_loss / m
+        grads = _tree.tree_map(lambda g: g / m, total)
+        return ((mean_loss, auxes) if self.config.has_aux else mean_loss), grads
 
     # -- the step -------------------------------------------------------------------------
     def _plan_for(self, shards) -> Plan:
@@ -255,7 +309,13 @@ class Shard:
             unit = state.units[u]
             if unit.outputs is None:
                 order = unit.plan.sharded + unit.plan.replicated
-                outs = GatherUnit.apply(state, u, *[leaves[l.index] for l in order])
+                if unit.plan.frozen:  # gathered, but no gradient: no autograd node at all
+                    with torch.no_grad():
+                        inputs = [_plain(leaves[l.index]) for l in order]
+                        state.enter(u, inputs)
+                        outs = unit.views() + inputs[len(unit.plan.sharded):]
+                else:
+                    outs = GatherUnit.apply(state, u, *[leaves[l.index] for l in order])
                 unit.outputs = {l.index: o for l, o in zip(order, outs)}
             else:
                 state.regather_in_forward(u)
@@ -295,6 +355,7 @@ def shard(
     mixed_precision: MixedPrecision | None = None,
     has_aux: bool = False,
     replicated: Callable[[tuple], bool] | None = None,
+    frozen: Callable[[tuple], bool] | None = None,
 ) -> Shard:
     """Turn `loss_fn(params, batch, *rest) -> scalar` into a fully sharded data-parallel step.
 
@@ -315,6 +376,9 @@ def shard(
       has_aux: `loss_fn` returns `(loss, aux)`; the step returns the same pair.
       replicated: `key_path -> bool` marking leaves to keep whole on every rank (their
         gradient is all-reduced); 0-dim and non-float leaves always are.
+      frozen: `key_path -> bool` marking leaves that are trained by nobody: they are
+        sharded and gathered like the others (in units of their own), but never
+        reduce-scattered, and their gradient is zero / None.
 
     Returns:
       A `Shard` step: call it as `step(shards, batch, *rest)`; it has `shard_params`,
@@ -348,5 +412,6 @@ def shard(
         raise SpecError(f"shard: prefetch must be a non-negative int, got {prefetch!r}")
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise SpecError("shard: mixed_precision must be sf.MixedPrecision(param_dtype=..., reduce_dtype=...)")
-    config = _Config(data, sharded, units, bool(reshard_after_forward), prefetch, mixed_precision, has_aux, replicated)
+    config = _Config(data, sharded, units, bool(reshard_after_forward), prefetch, mixed_precision, has_aux, replicated,
+                     frozen)
     return Shard(loss_fn, mesh, config)

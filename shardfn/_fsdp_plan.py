@@ -33,6 +33,13 @@ __all__ = ["LeafLayout", "UnitPlan", "Plan", "build_plan", "default_unit"]
 ROOT = "<root>"
 
 
+class FrozenKey(tuple):
+    """Unit key of the frozen leaves of a unit: they travel in a unit of their own."""
+
+    def __new__(cls, key):
+        return super().__new__(cls, ("frozen", key))
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
     index: int  # position in the flattened params
@@ -66,10 +73,11 @@ class UnitPlan:
     k: int  # shard group size
     shard_numel: int  # S
     dtype: torch.dtype | None  # dtype of the sharded leaves (before mixed precision)
+    frozen: bool = False  # gathered for the forward, never reduce-scattered, no gradient
 
     @property
     def is_root(self) -> bool:
-        return self.key == ROOT
+        return self.key == ROOT or self.key == FrozenKey(ROOT)
 
     @property
     def full_numel(self) -> int:
@@ -112,7 +120,8 @@ def _describe_leaf(path, leaf) -> str:
     return f"params{_tree.keystr(path)}"
 
 
-def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None) -> Plan:
+def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None,
+               frozen: Callable[[tuple], bool] | None = None) -> Plan:
     """Lay out `params` (global shapes) over a shard group of size k."""
     paths, leaves, treedef = _tree.flatten_with_paths(params)
     problems = []
@@ -135,6 +144,8 @@ def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         key = unit_fn(path)
         key = ROOT if key is None else key
+        if frozen is not None and frozen(path):
+            key = FrozenKey(key)
         if key not in keys:
             keys[key] = len(members)
             members.append([])
@@ -166,7 +177,9 @@ def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None
                 f"one flat buffer of one dtype.\nFix: cast them to one dtype, set "
                 f"mixed_precision=sf.MixedPrecision(param_dtype=...), or split them with units=."
             )
-        unit_plans.append(UnitPlan(key, position, sharded, repl, k, offset, next(iter(dtypes), None)))
+        unit_plans.append(
+            UnitPlan(key, position, sharded, repl, k, offset, next(iter(dtypes), None), isinstance(key, FrozenKey))
+        )
     return Plan(treedef, layouts, unit_plans, unit_of, k)
 
 

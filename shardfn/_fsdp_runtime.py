@@ -71,6 +71,12 @@ class Stats:
         self.values["peak_gathered_bytes"] = max(self.values["peak_gathered_bytes"], self.live)
 
 
+def _add(a, b):
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
 class UnitRuntime:
     """One unit on one rank: its unsharded buffer, state and this step's shards."""
 
@@ -85,6 +91,8 @@ class UnitRuntime:
         self.shards: list[torch.Tensor] = []  # this step's plain shard tensors (sharded leaves)
         self.outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
         self.backward_done = False
+        self.acc: torch.Tensor | None = None  # (k, *lead, S) unsharded grad sum (accumulate, reduce_once)
+        self.acc_replicated: list | None = None
 
     @property
     def nbytes(self) -> int:
@@ -148,9 +156,13 @@ class UnitRuntime:
         n_sharded = len(plan.sharded)
         sharded_grads, repl_grads = list(grads[:n_sharded]), list(grads[n_sharded:])
         out: list[torch.Tensor] = []
+        if rs.accumulating:
+            return self._hold_gradients(sharded_grads, repl_grads, lead)
         if plan.sharded:
             reduce_dtype = rs.reduce_dtype or self.dtype
             packed = pack_grads(plan, sharded_grads, reduce_dtype, rs.device, lead)  # (k, *lead, S)
+            if self.acc is not None:
+                packed, self.acc = packed + self.acc, None
             rs.stats.collective("reduce_scatter", packed.numel() * packed.element_size())
             flat = ops.reduce_scatter_async(rs.shard_group, packed).wait()  # (*lead, S)
             if rs.replica_group is not None:
@@ -159,7 +171,27 @@ class UnitRuntime:
             for layout, g in zip(plan.sharded, unpack_shard_grads(plan, flat, rs.shard_index, lead)):
                 out.append(g.to(layout.dtype))
         if plan.replicated:
+            if self.acc_replicated is not None:
+                repl_grads = [_add(a, b) for a, b in zip(repl_grads, self.acc_replicated)]
+                self.acc_replicated = None
             out.extend(self._all_reduce_replicated(repl_grads, lead))
+        return out
+
+    def _hold_gradients(self, sharded_grads, repl_grads, lead) -> list[torch.Tensor]:
+        """Accumulation without communication: add the unsharded grads to a local buffer and
+        return zeros; the last micro-batch reduces the sum once (see Shard.accumulate)."""
+        rs, plan = self.rs, self.plan
+        out: list[torch.Tensor] = []
+        if plan.sharded:
+            packed = pack_grads(plan, sharded_grads, rs.reduce_dtype or self.dtype, rs.device, lead)
+            self.acc = packed if self.acc is None else self.acc + packed
+            for layout in plan.sharded:
+                shape = lead + layout.local_shape(rs.shard_index, plan.k)
+                out.append(torch.zeros(shape, dtype=layout.dtype, device=rs.device))
+        if plan.replicated:
+            held = self.acc_replicated or [None] * len(plan.replicated)
+            self.acc_replicated = [_add(a, b) for a, b in zip(held, repl_grads)]
+            out.extend(torch.zeros(lead + l.shape, dtype=l.dtype, device=rs.device) for l in plan.replicated)
         return out
 
     def _all_reduce_replicated(self, grads, lead) -> list[torch.Tensor]:
@@ -202,12 +234,15 @@ class RankState:
         self.order: list[int] = []  # units in first-access order, this step
         self.prev_order: list[int] = []  # ... on the previous step (prefetch plan)
         self.in_forward = False
+        self.accumulating = False  # Shard.accumulate(mode="reduce_once"), all but the last micro-batch
+        self.keep_stats = False  # Shard.accumulate: statistics cover all micro-batches
 
     # -- step lifecycle -------------------------------------------------------------------
     def begin_step(self, shard_leaves: list[torch.Tensor]) -> None:
         for unit in self.units:
             unit.free()
-        self.stats.reset()
+        if not self.keep_stats:
+            self.stats.reset()
         self.prev_order, self.order = (self.order or self.prev_order), []
         for unit in self.units:
             unit.outputs = None
@@ -253,27 +288,35 @@ class RankState:
 
     def backward_start(self) -> None:
         """Backward of the loss: re-gather the units whose backward comes first."""
-        if not self.config.reshard_after_forward:
-            return
-        pending = [i for i in reversed(self.order) if not self.units[i].backward_done]
-        for i in pending[: 1 + max(self.config.prefetch, 0)]:
-            self.units[i].start_gather()
-        if pending:
-            self.units[pending[0]].finish_gather()
+        if self.config.reshard_after_forward:
+            self._bring([i for i in reversed(self.order) if not self.units[i].backward_done])
 
     def unit_backward(self, u: int) -> None:
-        """Backward of unit u's gather (its grads are complete): free it, bring the next ones."""
+        """Backward of unit u's gather (its grads are complete): free it (and the frozen units
+        used after it, whose backward ops have run), then bring the next ones."""
         unit = self.units[u]
         unit.backward_done = True
         unit.free()
-        if not self.config.reshard_after_forward:
-            return
         pos = self.order.index(u) if u in self.order else 0
-        upcoming = [i for i in reversed(self.order[:pos]) if not self.units[i].backward_done]
-        for i in upcoming[: 1 + max(self.config.prefetch, 0)]:
+        for i in self.order[pos + 1 :]:
+            if self.units[i].plan.frozen:
+                self.units[i].free()
+        if self.config.reshard_after_forward:
+            self._bring([i for i in reversed(self.order[:pos]) if not self.units[i].backward_done])
+
+    def _bring(self, upcoming: list[int]) -> None:
+        """Gather the units whose backward ops run next: frozen ones (they have no backward
+        node to do it for the next) up to the first trainable one, plus `prefetch` more."""
+        need = []
+        for i in upcoming:
+            need.append(i)
+            if not self.units[i].plan.frozen:
+                break
+        ahead = upcoming[len(need) : len(need) + max(self.config.prefetch, 0)]
+        for i in need + ahead:
             self.units[i].start_gather()
-        if upcoming:
-            self.units[upcoming[0]].finish_gather()
+        for i in need:
+            self.units[i].finish_gather()
 
 
 # -- autograd Functions ------------------------------------------------------------------
