@@ -25,3 +25,4 @@ from ._fsdp import MixedPrecision as MixedPrecision
 from ._fsdp import Shard as Shard
 from ._fsdp import shard as shard
 from ._functional import functional as functional
+from . import optim as optim
