@@ -37,42 +37,68 @@ def unflatten(treedef: optree.PyTreeSpec, leaves: Sequence[Any]) -> Any:
     return optree.tree_unflatten(treedef, leaves)
 
 
-def leaves_like(treedef: optree.PyTreeSpec, tree: Any, name: str, who: str) -> list[Any]:
-    """Flatten ``tree`` and check that it has the structure ``treedef``.
+def leaves_like(
+    treedef: optree.PyTreeSpec, tree: Any, name: str, who: str, ref: str = "the updates"
+) -> list[Any]:
+    """Flatten ``tree`` and check that it has the structure ``treedef`` (that of ``ref``).
 
     Raises:
         ValueError: naming ``who``, the argument ``name`` and the first differing key path.
     """
     leaves, other = optree.tree_flatten(tree, namespace=NAMESPACE)
     if other != treedef:
-        raise ValueError(_structure_error(treedef, other, tree, name, who))
+        raise ValueError(_structure_error(treedef, other, ref, name, who))
     return leaves
 
 
-def _structure_error(expected, got, tree, name, who) -> str:
-    want = [a.codify(name) for a in _accessors(expected)]
-    have = [a.codify(name) for a in _accessors(got)]
+def _structure_error(expected, got, ref, name, who) -> str:
+    want = [a.codify("") for a in expected.accessors()]
+    have = [a.codify("") for a in got.accessors()]
     first = next((i for i, (w, h) in enumerate(zip(want, have)) if w != h), None)
     if first is not None:
-        where = f"first difference: expected a leaf at {want[first]}, found one at {have[first]}"
-    elif len(want) != len(have):
-        extra = (want if len(want) > len(have) else have)[min(len(want), len(have))]
-        side = "missing" if len(want) > len(have) else "unexpected"
-        where = f"{len(want)} leaves expected, {len(have)} found; {side} leaf {extra}"
+        where = f"{ref} have a leaf at {want[first]} where `{name}` has one at {have[first]}"
+    elif len(want) > len(have):
+        where = f"{ref} have a leaf at {want[len(have)]} that `{name}` lacks"
+    elif len(have) > len(want):
+        where = f"`{name}` has a leaf at {have[len(want)]} that {ref} lack"
     else:
-        where = "same leaf paths but different container types"
+        where = "same leaf paths, different container types"
     return (
-        f"{who}: `{name}` does not have the structure of the gradients.\n"
+        f"{who}: {ref} and `{name}` have different tree structures.\n"
         f"  - {where}\n"
-        f"  - expected: {expected}\n"
-        f"  - got:      {got}\n"
-        "  Pass trees with the same structure as the params (the state must come "
-        "from this transform's init)."
+        f"  - {ref.replace('the ', '')}: {expected}\n"
+        f"  - {name}: {got}\n"
+        "  Fix: pass gradients with the structure of the params given to init, and the "
+        "state that this optimizer's init/update returned."
     )
 
 
-def _accessors(treedef: optree.PyTreeSpec):
-    return treedef.accessors()
+def broadcast_prefix(prefix: Any, tree: Any, is_leaf=None) -> list[Any]:
+    """One entry of ``prefix`` per leaf of ``tree``: a prefix leaf covers its whole subtree.
+
+    ``prefix`` must be a pytree prefix of ``tree`` (None counts as a prefix leaf). Values
+    are looked up by key path, so a plain-dict prefix of an ``OrderedDict`` (e.g. a
+    ``state_dict()``) lines up by key, whatever the two orders (``optree.broadcast_prefix``
+    pairs them by position).
+
+    Raises:
+        ValueError: optree's description of where ``prefix`` is not a prefix of ``tree``.
+    """
+    values, prefix_def = optree.tree_flatten(prefix, is_leaf=is_leaf, namespace=NAMESPACE)
+    if prefix_def == optree.tree_structure(tree, namespace=NAMESPACE):
+        return values  # a full tree of the same structure: positions agree
+    optree.broadcast_prefix(prefix, tree, is_leaf=is_leaf, none_is_leaf=True, namespace=NAMESPACE)
+    out = []
+    for accessor in optree.tree_accessors(tree, namespace=NAMESPACE):
+        node = prefix
+        for entry in accessor:
+            if (is_leaf is not None and is_leaf(node)) or optree.tree_structure(
+                node, none_is_leaf=True, namespace=NAMESPACE
+            ).is_leaf():
+                break
+            node = entry(node)
+        out.append(node)
+    return out
 
 
 def require_params(params: Any, who: str) -> None:

@@ -6,7 +6,7 @@ from typing import Callable, NamedTuple, Union
 
 import torch
 
-from . import _flat
+from . import _flat, _fusion
 from .base import EmptyState, GradientTransformation
 
 ScalarOrSchedule = Union[float, Callable[[int], float]]
@@ -55,7 +55,8 @@ def scale(step_size: float, *, inplace: bool = False) -> GradientTransformation:
         leaves, treedef = _flat.flatten(updates)
         return _flat.unflatten(treedef, _scale_leaves(leaves, step_size, inplace)), state
 
-    return GradientTransformation(init, update)
+    fusion = _fusion.Fusion("factor", factor=lambda state: step_size, advance=lambda state: state)
+    return GradientTransformation(init, _fusion.mark(update, fusion))
 
 
 def scale_by_schedule(
@@ -87,12 +88,17 @@ def scale_by_schedule(
     def update(updates, state, params=None):
         del params
         leaves, treedef = _flat.flatten(updates)
-        factor = float(step_size_fn(_flat.read_count(state.count)))
-        leaves = _scale_leaves(leaves, factor, inplace)
-        count, _ = _flat.bump_count(state.count, inplace)
-        return _flat.unflatten(treedef, leaves), ScaleByScheduleState(count=count)
+        leaves = _scale_leaves(leaves, factor(state), inplace)
+        return _flat.unflatten(treedef, leaves), advance(state)
 
-    return GradientTransformation(init, update)
+    def factor(state):
+        return float(step_size_fn(_flat.read_count(state.count)))
+
+    def advance(state):
+        return ScaleByScheduleState(count=_flat.bump_count(state.count, inplace)[0])
+
+    fusion = _fusion.Fusion("factor", factor=factor, advance=advance)
+    return GradientTransformation(init, _fusion.mark(update, fusion))
 
 
 def scale_by_learning_rate(

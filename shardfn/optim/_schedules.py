@@ -25,6 +25,12 @@ Schedule = Callable[[int], float]
 def constant_schedule(value: float) -> Schedule:
     """A schedule that always returns ``value``.
 
+    Args:
+        value: the value at every step.
+
+    Returns:
+        ``schedule(step) -> float``.
+
     Example:
         >>> from shardfn.optim import constant_schedule
         >>> constant_schedule(0.1)(1000)
@@ -141,6 +147,14 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
 def linear_warmup(peak_value: float, warmup_steps: int, init_value: float = 0.0) -> Schedule:
     """Ramp linearly from ``init_value`` to ``peak_value`` over ``warmup_steps``, then hold it.
 
+    Args:
+        peak_value: the value from step ``warmup_steps`` on.
+        warmup_steps: length of the ramp.
+        init_value: the value at step 0.
+
+    Returns:
+        ``schedule(step) -> float`` (``linear_schedule(init_value, peak_value, warmup_steps)``).
+
     Example:
         >>> from shardfn.optim import linear_warmup
         >>> s = linear_warmup(1.0, 4)
@@ -164,6 +178,20 @@ def warmup_cosine_decay_schedule(
     counts the warmup too, so the value reaches ``end_value`` at step ``decay_steps``.
     In PyTorch terms: ``SequentialLR([LinearLR(init/peak, 1, warmup_steps),
     CosineAnnealingLR(decay_steps - warmup_steps, end_value)], [warmup_steps])``.
+
+    Args:
+        init_value: the value at step 0.
+        peak_value: the value at step ``warmup_steps``.
+        warmup_steps: length of the linear warmup.
+        decay_steps: step at which ``end_value`` is reached (warmup included).
+        end_value: the final value.
+        exponent: power applied to the cosine factor.
+
+    Returns:
+        ``schedule(step) -> float``.
+
+    Raises:
+        ValueError: if ``decay_steps <= warmup_steps``.
 
     Example:
         >>> from shardfn.optim import warmup_cosine_decay_schedule

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import _flat
+from . import _flat, _fusion
 
 
 class GradientTransformation(NamedTuple):
@@ -61,11 +61,20 @@ def identity() -> GradientTransformation:
         del params
         return updates, state
 
+    def scaled(updates, state, params, scale, owned):
+        del params, scale, owned
+        return updates, state
+
+    _fusion.mark(update, _fusion.Fusion("linear", scaled=scaled))
     return GradientTransformation(init, update)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Compose transforms: each one's updates feed the next; the state is a tuple of theirs.
+
+    A chain of built-in transforms that ends in a learning-rate scale (like ``adamw``)
+    skips that multiply pass by folding the factor into Adam's denominator (see
+    [Note: scale fusion] in ``_fusion.py``); the numbers change by rounding only.
 
     Args:
         *transforms: ``GradientTransformation``s applied left to right.
@@ -89,6 +98,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             )
     inits = tuple(t.init for t in transforms)
     updates_fns = tuple(t.update for t in transforms)
+    fused_at = _fusion.plan(updates_fns)
 
     def init(params):
         return tuple(fn(params) for fn in inits)
@@ -99,6 +109,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"chain.update: the state holds {len(state)} inner states but the chain "
                 f"has {len(updates_fns)} transforms; pass the state this chain's init returned."
             )
+        if fused_at is not None:
+            out = _fusion.run_fused(updates_fns, fused_at, updates, state, params)
+            if out is not None:
+                return out
         new_state = []
         for fn, s in zip(updates_fns, state):
             updates, s = fn(updates, s, params)
@@ -126,7 +140,7 @@ def apply_updates(params: Any, updates: Any, *, inplace: bool = False) -> Any:
         tensor([0.5000, 0.5000])
     """
     p, treedef = _flat.flatten(params)
-    u = _flat.leaves_like(treedef, updates, "updates", "apply_updates")
+    u = _flat.leaves_like(treedef, updates, "updates", "apply_updates", ref="the params")
     if not p:
         return params
     if inplace:

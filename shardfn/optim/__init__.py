@@ -1,0 +1,72 @@
+"""Functional optimizers (optax's model) on pytrees of torch tensors, with PyTorch's semantics.
+
+``opt = adamw(1e-3)``; ``state = opt.init(params)``;
+``updates, state = opt.update(grads, state, params)``;
+``params = apply_updates(params, updates)``. Called on a rank's shards, ``init``
+allocates state shaped like the shards, so the optimizer state is sharded like the
+parameters. See ``docs/optim.md``.
+"""
+
+from ._adam import ScaleByAdamState as ScaleByAdamState
+from ._adam import scale_by_adam as scale_by_adam
+from ._alias import adam as adam
+from ._alias import adamw as adamw
+from ._alias import lion as lion
+from ._alias import sgd as sgd
+from ._clipping import clip_by_global_norm as clip_by_global_norm
+from ._clipping import global_norm as global_norm
+from ._lion import ScaleByLionState as ScaleByLionState
+from ._lion import scale_by_lion as scale_by_lion
+from ._momentum import TraceState as TraceState
+from ._momentum import trace as trace
+from ._scale import ScaleByScheduleState as ScaleByScheduleState
+from ._scale import scale as scale
+from ._scale import scale_by_learning_rate as scale_by_learning_rate
+from ._scale import scale_by_schedule as scale_by_schedule
+from ._schedules import Schedule as Schedule
+from ._schedules import constant_schedule as constant_schedule
+from ._schedules import cosine_decay_schedule as cosine_decay_schedule
+from ._schedules import join_schedules as join_schedules
+from ._schedules import linear_schedule as linear_schedule
+from ._schedules import linear_warmup as linear_warmup
+from ._schedules import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
+from ._weight_decay import add_decayed_weights as add_decayed_weights
+from .base import EmptyState as EmptyState
+from .base import GradientTransformation as GradientTransformation
+from .base import apply_updates as apply_updates
+from .base import chain as chain
+from .base import identity as identity
+from .train import train_step as train_step
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "Schedule",
+    "ScaleByAdamState",
+    "ScaleByLionState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "global_norm",
+    "identity",
+    "join_schedules",
+    "lion",
+    "linear_schedule",
+    "linear_warmup",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_lion",
+    "scale_by_schedule",
+    "sgd",
+    "trace",
+    "train_step",
+    "warmup_cosine_decay_schedule",
+]

@@ -1,0 +1,201 @@
+"""Ready-made optimizers, each a ``chain`` of transforms, with PyTorch's semantics.
+
+| shardfn                         | PyTorch                                   | chain                                                   |
+|---------------------------------|-------------------------------------------|---------------------------------------------------------|
+| ``sgd(lr, momentum, nesterov, weight_decay)`` | ``torch.optim.SGD`` (dampening=0) | add_decayed_weights → trace → scale_by_learning_rate |
+| ``adam(lr, b1, b2, eps, weight_decay)``       | ``torch.optim.Adam`` (L2 decay)   | add_decayed_weights → scale_by_adam → scale_by_learning_rate |
+| ``adamw(lr, b1, b2, eps, weight_decay=1e-2)`` | ``torch.optim.AdamW``             | scale_by_adam → add_decayed_weights → scale_by_learning_rate |
+| ``lion(lr, b1, b2, weight_decay)``            | (Lion paper, optax.lion)          | scale_by_lion → add_decayed_weights → scale_by_learning_rate |
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ._adam import scale_by_adam
+from ._lion import scale_by_lion
+from ._momentum import trace
+from ._scale import ScalarOrSchedule, scale_by_learning_rate
+from ._weight_decay import Mask, add_decayed_weights
+from .base import GradientTransformation, chain, identity
+
+
+def _check_lr(lr: ScalarOrSchedule, who: str) -> None:
+    if not callable(lr) and not float(lr) >= 0.0:
+        raise ValueError(f"{who}: learning rate must be >= 0 (or a schedule), got {lr}.")
+
+
+def _check_nonneg(value: float, name: str, who: str) -> None:
+    if not float(value) >= 0.0:
+        raise ValueError(f"{who}: {name} must be >= 0, got {value}.")
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    *,
+    inplace: bool = False,
+) -> GradientTransformation:
+    """Stochastic gradient descent with ``torch.optim.SGD``'s momentum and weight decay.
+
+    ``g += weight_decay * p``; ``buf = momentum * buf + g`` (``buf = g`` on the first
+    step); the step is ``buf``, or ``g + momentum * buf`` with Nesterov; ``p -= lr * step``.
+
+    Args:
+        learning_rate: a float or a schedule ``step -> lr``.
+        momentum: momentum factor (0 disables the buffer).
+        nesterov: Nesterov momentum (needs ``momentum > 0``).
+        weight_decay: L2 penalty added to the gradient.
+        inplace: update state and the incoming gradients in place (no allocation).
+
+    Returns:
+        ``chain(add_decayed_weights, trace, scale_by_learning_rate)``.
+
+    Example:
+        >>> import torch, shardfn.optim as optim
+        >>> opt = optim.sgd(0.1, momentum=0.9)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update({"w": torch.ones(2)}, state, params)
+        >>> optim.apply_updates(params, updates)["w"]
+        tensor([0.9000, 0.9000])
+    """
+    who = "sgd"
+    _check_lr(learning_rate, who)
+    _check_nonneg(momentum, "momentum", who)
+    _check_nonneg(weight_decay, "weight_decay", who)
+    if nesterov and momentum <= 0:
+        raise ValueError(f"{who}: nesterov=True needs momentum > 0, got momentum={momentum}.")
+    return chain(
+        add_decayed_weights(weight_decay, inplace=inplace),
+        trace(momentum, nesterov, inplace=inplace) if momentum else identity(),
+        scale_by_learning_rate(learning_rate, inplace=inplace),
+    )
+
+
+def adam(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    inplace: bool = False,
+) -> GradientTransformation:
+    """Adam with ``torch.optim.Adam``'s semantics (L2 ``weight_decay`` added to the gradient).
+
+    Args:
+        learning_rate: a float or a schedule ``step -> lr``.
+        b1: decay of the first moment (torch's ``betas[0]``).
+        b2: decay of the second moment (torch's ``betas[1]``).
+        eps: added after the square root of the bias-corrected second moment.
+        weight_decay: L2 penalty added to the gradient before the moments.
+        inplace: update state and the incoming gradients in place (no allocation).
+
+    Returns:
+        ``chain(add_decayed_weights, scale_by_adam, scale_by_learning_rate)``.
+
+    Example:
+        >>> import torch, shardfn.optim as optim
+        >>> opt = optim.adam(0.1)
+        >>> params = {"w": torch.ones(2)}
+        >>> updates, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+        >>> optim.apply_updates(params, updates)["w"]
+        tensor([0.9000, 0.9000])
+    """
+    who = "adam"
+    _check_lr(learning_rate, who)
+    _check_nonneg(weight_decay, "weight_decay", who)
+    return chain(
+        add_decayed_weights(weight_decay, inplace=inplace),
+        scale_by_adam(b1, b2, eps, inplace=inplace),
+        scale_by_learning_rate(learning_rate, inplace=inplace),
+    )
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    mask: Optional[Mask] = None,
+    *,
+    inplace: bool = False,
+) -> GradientTransformation:
+    """AdamW with ``torch.optim.AdamW``'s semantics: decoupled decay scaled by the (scheduled) lr.
+
+    The update is ``-lr_t * (adam + weight_decay * p)``, so ``apply_updates`` gives
+    ``p * (1 - lr_t * weight_decay) - lr_t * adam``: torch's ``p.mul_(1 - lr * wd)``
+    followed by its Adam step.
+
+    Args:
+        learning_rate: a float or a schedule ``step -> lr`` (decay follows it, like torch).
+        b1: decay of the first moment.
+        b2: decay of the second moment.
+        eps: added after the square root of the bias-corrected second moment.
+        weight_decay: decoupled weight decay (torch's default ``1e-2``).
+        mask: which leaves to decay (see ``add_decayed_weights``).
+        inplace: update state and the incoming gradients in place (no allocation).
+
+    Returns:
+        ``chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)``.
+
+    Example:
+        >>> import torch, shardfn.optim as optim
+        >>> opt = optim.adamw(0.1, weight_decay=0.5)
+        >>> params = {"w": torch.ones(2)}
+        >>> updates, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+        >>> optim.apply_updates(params, updates)["w"]  # 1 * (1 - 0.05) - 0.1
+        tensor([0.8500, 0.8500])
+    """
+    who = "adamw"
+    _check_lr(learning_rate, who)
+    _check_nonneg(weight_decay, "weight_decay", who)
+    return chain(
+        scale_by_adam(b1, b2, eps, inplace=inplace),
+        add_decayed_weights(weight_decay, mask, inplace=inplace),
+        scale_by_learning_rate(learning_rate, inplace=inplace),
+    )
+
+
+def lion(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    weight_decay: float = 0.0,
+    mask: Optional[Mask] = None,
+    *,
+    inplace: bool = False,
+) -> GradientTransformation:
+    """Lion: ``p -= lr * (sign(b1 * mu + (1 - b1) * g) + weight_decay * p)``; ``mu = lerp(mu, g, 1 - b2)``.
+
+    Args:
+        learning_rate: a float or a schedule ``step -> lr``.
+        b1: interpolation for the sign.
+        b2: decay of the momentum.
+        weight_decay: decoupled weight decay.
+        mask: which leaves to decay (see ``add_decayed_weights``).
+        inplace: update state and the incoming gradients in place (no allocation).
+
+    Returns:
+        ``chain(scale_by_lion, add_decayed_weights, scale_by_learning_rate)``.
+
+    Example:
+        >>> import torch, shardfn.optim as optim
+        >>> opt = optim.lion(0.1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> updates, _ = opt.update({"w": torch.tensor([2.0, -0.1])}, opt.init(params), params)
+        >>> updates["w"]
+        tensor([-0.1000,  0.1000])
+    """
+    who = "lion"
+    _check_lr(learning_rate, who)
+    _check_nonneg(weight_decay, "weight_decay", who)
+    return chain(
+        scale_by_lion(b1, b2, inplace=inplace),
+        add_decayed_weights(weight_decay, mask, inplace=inplace),
+        scale_by_learning_rate(learning_rate, inplace=inplace),
+    )

@@ -1,0 +1,63 @@
+"""One training step: gradient, optimizer update, parameter update."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .base import GradientTransformation, apply_updates
+
+
+def train_step(
+    step: Callable[..., torch.Tensor],
+    opt: GradientTransformation,
+    *,
+    has_aux: bool = False,
+    inplace: bool = False,
+) -> Callable[[Any, Any, Any], tuple]:
+    """Build ``train(shards, opt_state, batch) -> (shards, opt_state, loss)``.
+
+    The returned function computes ``torch.func.grad_and_value(step)(shards, batch)``,
+    runs ``opt.update(grads, opt_state, shards)`` and applies the updates, all outside
+    autograd (``torch.no_grad()``) so no history accumulates across steps.
+
+    Args:
+        step: ``step(params, batch) -> scalar loss``; a plain function or the result of
+            ``sf.shard(...)`` (then call ``train`` on every rank, e.g. in ``mesh.run``).
+        opt: the optimizer; build it with ``inplace=True`` to update its state in place.
+        has_aux: ``step`` returns ``(loss, aux)``; ``train`` then returns
+            ``(shards, opt_state, loss, aux)``.
+        inplace: add the updates into the ``shards`` tensors instead of returning new ones.
+
+    Returns:
+        The ``train`` function; ``loss`` is detached.
+
+    Example:
+        >>> import torch, shardfn.optim as optim
+        >>> def loss_fn(params, batch):
+        ...     x, y = batch
+        ...     return ((x @ params["w"] - y) ** 2).mean()
+        >>> opt = optim.sgd(0.5)
+        >>> train = optim.train_step(loss_fn, opt)
+        >>> params = {"w": torch.zeros(2)}
+        >>> state = opt.init(params)
+        >>> batch = (torch.eye(2), torch.tensor([1.0, 2.0]))
+        >>> for _ in range(60):
+        ...     params, state, loss = train(params, state, batch)
+        >>> params["w"]
+        tensor([1., 2.])
+    """
+    grad_and_value = torch.func.grad_and_value(step, has_aux=has_aux)
+
+    def train(shards, opt_state, batch):
+        grads, value = grad_and_value(shards, batch)
+        with torch.no_grad():
+            updates, opt_state = opt.update(grads, opt_state, shards)
+            shards = apply_updates(shards, updates, inplace=inplace)
+        if has_aux:
+            loss, aux = value
+            return shards, opt_state, loss.detach(), aux
+        return shards, opt_state, value.detach()
+
+    return train
