@@ -58,22 +58,19 @@ def tensor_bytes(tensors) -> int:
 def method_shardfn(name, mesh, batch, tiny):
     apply_fn, params = sf.functional(build_model(name, tiny))
     step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
-    opt = sf.optim.adamw(LR, weight_decay=0.0)
+    # In-place AdamW, like torch.optim: state and shards are updated in their buffers.
+    opt = sf.optim.adamw(LR, weight_decay=0.0, inplace=True)
+    train = sf.train_step(step, opt, inplace=True)
     state = {"shards": step.shard_params(params)}
     state["opt"] = opt.init(state["shards"])
-    grad_fn = torch.func.grad_and_value(step)
 
     def one():
-        grads, loss = grad_fn(state["shards"], batch)
-        updates, state["opt"] = opt.update(grads, state["opt"], state["shards"])
-        state["shards"] = sf.optim.apply_updates(state["shards"], updates)
-        state["grads"] = grads
+        state["shards"], state["opt"], loss = train(state["shards"], state["opt"], batch)
         return float(loss)
 
-    def nbytes():
+    def nbytes():  # shards + grads (same size as shards) + optimizer state
         leaves = torch.utils._pytree.tree_leaves
-        return tensor_bytes(leaves(state["shards"])) + tensor_bytes(leaves(state.get("grads", {}))) + \
-            tensor_bytes(leaves(state["opt"]))
+        return 2 * tensor_bytes(leaves(state["shards"])) + tensor_bytes(leaves(state["opt"]))
 
     return one, nbytes, step
 

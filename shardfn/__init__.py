@@ -1,5 +1,7 @@
 """shardfn: JAX-style functional sharding for PyTorch."""
 from ._errors import CollectiveTimeoutError as CollectiveTimeoutError
+from ._errors import DesyncError as DesyncError
+from ._errors import NonFiniteError as NonFiniteError
 from ._errors import RankAbortedError as RankAbortedError
 from ._errors import ShardingError as ShardingError
 from ._errors import SpecError as SpecError
@@ -26,3 +28,4 @@ from ._fsdp import Shard as Shard
 from ._fsdp import shard as shard
 from ._functional import functional as functional
 from . import optim as optim
+from .optim import train_step as train_step

@@ -159,6 +159,7 @@ class _Pextremum(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, ctx.group, ctx.op = inputs
         ctx.save_for_backward(x, output)
+        ctx.save_for_forward(x, output)  # forward mode reads them too
 
     @staticmethod
     def _route(ctx, g):

@@ -12,6 +12,8 @@ __all__ = [
     "SpecError",
     "CollectiveTimeoutError",
     "RankAbortedError",
+    "DesyncError",
+    "NonFiniteError",
     "bullet_list",
 ]
 
@@ -26,6 +28,14 @@ class SpecError(ShardingError, ValueError):
 
 class CollectiveTimeoutError(ShardingError, TimeoutError):
     """A collective waited longer than the mesh's timeout for its peers."""
+
+
+class DesyncError(ShardingError):
+    """Ranks of a group issued different collectives at the same point of the program."""
+
+
+class NonFiniteError(ShardingError, FloatingPointError):
+    """A loss or gradient was NaN or infinite under `shard(..., check_finite=True)`."""
 
 
 class RankAbortedError(ShardingError):

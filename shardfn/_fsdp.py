@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import zlib
 from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
@@ -22,6 +21,7 @@ from ._collectives import binding, bound_mesh
 from ._errors import ShardingError, SpecError
 from ._fsdp_plan import Plan, build_plan, copy_out, leaf_views, pack_shards
 from ._fsdp_runtime import GatherUnit, LossMean, RankState
+from ._agree import check_same_everywhere
 from ._lazy import make_view
 from ._spec import PartitionSpec, chunk_bounds
 
@@ -50,6 +50,7 @@ class _Config:
     has_aux: bool
     replicated: Callable[[tuple], bool] | None
     frozen: Callable[[tuple], bool] | None
+    check_finite: bool
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -58,16 +59,6 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     while unwrap.is_functorch_wrapped_tensor(t):
         t = unwrap.get_unwrapped(t)
     return t.detach()
-
-
-def _exchange_text(group, text: str) -> list[str]:
-    """Every rank's `text`, via two all-gathers of bytes (works on both backends)."""
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    sizes = ops.all_gather(group, torch.tensor([data.numel()]))
-    width = int(sizes.max())
-    padded = torch.nn.functional.pad(data, (0, width - data.numel()))
-    rows = ops.all_gather_async(group, padded).wait()
-    return [bytes(rows[i, : int(sizes[i])].tolist()).decode() for i in range(group.size)]
 
 
 class Shard:
@@ -115,29 +106,13 @@ class Shard:
         return _tree.unflatten(treedef, shards)
 
     def _check_same_everywhere(self, paths, leaves) -> None:
-        lines = [f"{_tree.keystr(p)}: {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else
-                 f"{_tree.keystr(p)}: {type(x).__name__}" for p, x in zip(paths, leaves)]
-        digest = zlib.crc32("\n".join(lines).encode())
-        group = self.mesh.group(self.mesh.axis_names)
-        both = ops.all_reduce(group, torch.tensor([digest, -digest], dtype=torch.int64), "max")
-        if int(both[0]) == -int(both[1]):
-            return
-        texts = _exchange_text(group, "\n".join(lines))
-        mine = group.index
-        for other, text in enumerate(texts):
-            theirs = text.split("\n")
-            if theirs == lines:
-                continue
-            for i in range(max(len(lines), len(theirs))):
-                a = lines[i] if i < len(lines) else "<no leaf>"
-                b = theirs[i] if i < len(theirs) else "<no leaf>"
-                if a != b:
-                    raise ShardingError(
-                        f"shard_params: the ranks passed different parameter trees. First difference, at "
-                        f"leaf #{i}: rank {group.ranks[mine]} has params{a}, rank {group.ranks[other]} has "
-                        f"params{b}.\nFix: build the params identically on every rank (same code, same "
-                        f"seed), then call shard_params on every rank."
-                    )
+        lines = [f"params{_tree.keystr(p)}: {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else
+                 f"params{_tree.keystr(p)}: {type(x).__name__}" for p, x in zip(paths, leaves)]
+        check_same_everywhere(
+            self.mesh.group(self.mesh.axis_names), lines, "parameter trees to shard_params",
+            "build the params identically on every rank (same code, same seed), then call shard_params on "
+            "every rank.",
+        )
 
     def unshard_params(self, shards):
         """The full parameter tree on every rank (for evaluation or export); no autograd."""
@@ -356,6 +331,7 @@ def shard(
     has_aux: bool = False,
     replicated: Callable[[tuple], bool] | None = None,
     frozen: Callable[[tuple], bool] | None = None,
+    check_finite: bool = False,
 ) -> Shard:
     """Turn `loss_fn(params, batch, *rest) -> scalar` into a fully sharded data-parallel step.
 
@@ -379,6 +355,9 @@ def shard(
       frozen: `key_path -> bool` marking leaves that are trained by nobody: they are
         sharded and gathered like the others (in units of their own), but never
         reduce-scattered, and their gradient is zero / None.
+      check_finite: raise `sf.NonFiniteError` on every rank, naming the unit (or the loss)
+        and the ranks, as soon as the loss or a unit's reduced gradient holds a NaN/Inf,
+        before any update can be applied (one tiny all-reduce per unit and step).
 
     Returns:
       A `Shard` step: call it as `step(shards, batch, *rest)`; it has `shard_params`,
@@ -413,5 +392,5 @@ def shard(
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise SpecError("shard: mixed_precision must be sf.MixedPrecision(param_dtype=..., reduce_dtype=...)")
     config = _Config(data, sharded, units, bool(reshard_after_forward), prefetch, mixed_precision, has_aux, replicated,
-                     frozen)
+                     frozen, bool(check_finite))
     return Shard(loss_fn, mesh, config)

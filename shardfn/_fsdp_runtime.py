@@ -23,27 +23,20 @@ their storage released: keep such leaves in the root unit or use
 
 from __future__ import annotations
 
-import contextlib
 import enum
 
 import torch
 
 from ._backend import ops
-from ._errors import ShardingError
+from ._errors import NonFiniteError, ShardingError
 from ._fsdp_plan import UnitPlan, copy_out, leaf_views, pack_grads, pack_shards, unpack_shard_grads
 
 __all__ = ["RankState", "UnitRuntime", "GatherUnit", "LossMean"]
 
 
-def _raw():
-    """Plain-tensor mode for our own buffers: no functorch lifting, no autograd.
-
-    Schedule work (gathers, frees) also runs inside backward functions, where functorch
-    would otherwise wrap the results of ops on our plain buffers."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch._C._DisableFuncTorch())
-    stack.enter_context(torch.no_grad())
-    return stack
+# Schedule work (gathers, frees) also runs inside backward functions, where functorch
+# would otherwise wrap the results of ops on our plain buffers.
+_raw = ops.plain_mode
 
 
 class UnitState(enum.Enum):
@@ -168,6 +161,8 @@ class UnitRuntime:
             if rs.replica_group is not None:
                 rs.stats.collective("all_reduce", flat.numel() * flat.element_size())
                 flat = ops.all_reduce(rs.replica_group, flat)
+            if rs.config.check_finite:
+                rs.check_finite(flat, f"the gradient of {plan.name()}")
             for layout, g in zip(plan.sharded, unpack_shard_grads(plan, flat, rs.shard_index, lead)):
                 out.append(g.to(layout.dtype))
         if plan.replicated:
@@ -236,6 +231,22 @@ class RankState:
         self.in_forward = False
         self.accumulating = False  # Shard.accumulate(mode="reduce_once"), all but the last micro-batch
         self.keep_stats = False  # Shard.accumulate: statistics cover all micro-batches
+
+    def check_finite(self, values: torch.Tensor, what: str) -> None:
+        """`shard(check_finite=True)`: raise NonFiniteError on every rank of the data group
+        if `values` holds a NaN/Inf on any of them (one tiny all-reduce + one on failure)."""
+        bad = torch.tensor([0.0 if bool(torch.isfinite(values).all()) else 1.0], device=self.device)
+        self.stats.collective("all_reduce", bad.numel() * bad.element_size())
+        if float(ops.all_reduce(self.data_group, bad, "max")) == 0.0:
+            return
+        flags = ops.all_gather(self.data_group, bad).tolist()
+        ranks = [r for r, f in zip(self.data_group.ranks, flags) if f]
+        raise NonFiniteError(
+            f"shard(check_finite=True): {what} is NaN or infinite on ranks {ranks} (this is rank "
+            f"{self.data_group.ranks[self.data_group.index]}). The step stopped before returning, so no "
+            f"parameter update was applied.\nFix: look at those ranks' batches; lower the learning rate, "
+            f"or use a loss scale / bf16 instead of fp16."
+        )
 
     # -- step lifecycle -------------------------------------------------------------------
     def begin_step(self, shard_leaves: list[torch.Tensor]) -> None:
@@ -423,6 +434,8 @@ class LossMean(torch.autograd.Function):
 
     @staticmethod
     def forward(loss, rs: RankState):
+        if rs.config.check_finite:
+            rs.check_finite(loss, "the loss")
         rs.stats.collective("all_reduce", loss.numel() * loss.element_size())
         return ops.all_reduce(rs.data_group, loss) / rs.data_group.size
 

@@ -129,8 +129,8 @@ def global_call(local_fn, mesh, in_specs, out_specs, args, name):
     record = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     try:
         tensor_outs = _GlobalShardMap.apply(runner, record, *tensors)
-    except RuntimeError as err:
-        if "functorch" in str(err) or "vmap" in str(err):
+    except (RuntimeError, NotImplementedError) as err:
+        if isinstance(err, NotImplementedError) or "functorch" in str(err) or "vmap" in str(err):
             raise ShardingError(
                 f"{name}: a shard_map called from the main thread of a simulated mesh (global mode) "
                 f"supports values and .backward(), not torch.func transforms around it.\nFix: apply "

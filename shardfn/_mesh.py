@@ -135,9 +135,14 @@ class Mesh:
         """Normalize an axis name or tuple of names (None = all axes), checking each exists."""
         if axis is None:
             return self.axis_names
-        names = (axis,) if isinstance(axis, str) else tuple(axis)
-        unknown = [a for a in names if a not in self._backend.mesh_shape]
-        if unknown or not names or not all(isinstance(a, str) for a in names):
+        if isinstance(axis, str):
+            names = (axis,)
+        elif isinstance(axis, (tuple, list)):
+            names = tuple(axis)
+        else:
+            names = (axis,)
+        unknown = [a for a in names if not isinstance(a, str) or a not in self._backend.mesh_shape]
+        if unknown or not names:
             raise SpecError(
                 f"{where}: {axis!r} is not an axis of this mesh; mesh axes are {list(self.axis_names)} "
                 f"(shape {self.shape}).\nFix: use one of those names or a tuple of them."
@@ -198,6 +203,7 @@ def init_mesh(
     backend: str | None = None,
     device=None,
     timeout: float = 300.0,
+    check_collectives: bool = False,
 ) -> Mesh:
     """A mesh over the processes of a `torchrun` job (one rank per process).
 
@@ -210,9 +216,13 @@ def init_mesh(
       backend: "gloo" or "nccl" (default: from the device).
       device: the device of this rank's tensors (default: `cuda:LOCAL_RANK` with NCCL, else CPU).
       timeout: seconds a collective may wait for its peers.
+      check_collectives: before every collective, check that all ranks of its group issue
+        the same op, shape and dtype, raising `DesyncError` instead of hanging (one small
+        extra all-reduce per collective; also on with SHARDFN_CHECK_COLLECTIVES=1). The
+        simulated mesh always checks, for free.
 
     Example (run with `torchrun --standalone --nproc-per-node 2 script.py`)::
 
       mesh = sf.init_mesh({"data": 2})
     """
-    return Mesh(DistributedBackend(_normalize_shape(shape, axis_names), timeout, backend, device))
+    return Mesh(DistributedBackend(_normalize_shape(shape, axis_names), timeout, backend, device, check_collectives))

@@ -23,6 +23,7 @@ import torch
 
 from . import _tree
 from ._backend import ops
+from ._agree import check_same_everywhere
 from ._collectives import _Psum, binding, bound_mesh
 from ._errors import ShardingError, SpecError
 from ._spec import PartitionSpec, block_index, chunk_bounds, entry_axes, validate_spec
@@ -176,7 +177,7 @@ class _InputBoundary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _Psum.apply(g, ctx.group), None
+        return _PsumToReplicated.apply(g, ctx.group), None
 
     @staticmethod
     def jvp(ctx, t, _):
@@ -185,6 +186,32 @@ class _InputBoundary(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, x, group):
         return _InputBoundary.apply(x, group), in_dims[0]
+
+
+class _PsumToReplicated(torch.autograd.Function):
+    """The input boundary's psum: it produces a replicated gradient, so (for double
+    backward) its transpose passes the — replicated — cotangent through unchanged,
+    which is `psum` after the output-boundary division by the axis size."""
+
+    @staticmethod
+    def forward(g, group):
+        return ops.all_reduce(group, g, "sum")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, c):
+        return _InputBoundary.apply(c, ctx.group), None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        return _PsumToReplicated.apply(t, ctx.group)
+
+    @staticmethod
+    def vmap(info, in_dims, g, group):
+        return _PsumToReplicated.apply(g, group), in_dims[0]
 
 
 class _OutputBoundary(torch.autograd.Function):
@@ -275,8 +302,23 @@ def _omitted(mesh, spec: PartitionSpec) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a not in used)
 
 
-def _local_call(f, mesh, in_specs, out_specs, check, args, name):
+def _agree_on_structure(mesh, paths, leaves, treedef, agreed: set, name: str) -> None:
+    """Once per argument structure and rank: all ranks passed the same tree, dtypes, ranks."""
+    kinds = tuple((x.dtype, x.dim()) if isinstance(x, torch.Tensor) else type(x) for x in leaves)
+    key = (mesh.rank, treedef, kinds)
+    if key in agreed:
+        return
+    lines = [f"args{_tree.keystr(p)}: " + (f"{x.dtype} of rank {x.dim()}" if isinstance(x, torch.Tensor)
+             else type(x).__name__) for p, x in zip(paths, leaves)]
+    check_same_everywhere(mesh.group(mesh.axis_names), lines, f"arguments to {name}",
+                          "call the shard_mapped function with the same tree of blocks on every rank.")
+    agreed.add(key)
+
+
+def _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed=None):
     paths, leaves, treedef = _tree.flatten_with_paths(args)
+    if agreed is not None:
+        _agree_on_structure(mesh, paths, leaves, treedef, agreed, name)
     specs = _tree.broadcast_prefix(in_specs, args, what="in_specs", is_prefix_leaf=_is_spec)
     bound = []
     for path, leaf, spec in zip(paths, leaves, specs):
@@ -350,6 +392,7 @@ def shard_map(f: Callable, mesh, in_specs, out_specs, *, check: bool = True) -> 
       tensor(14.)
     """
     name = f"shard_map({getattr(f, '__name__', 'f')})"
+    agreed: set = set()  # (rank, structure) pairs already checked across ranks
 
     def mapped(*args):
         if bound_mesh() is not None:
@@ -359,7 +402,7 @@ def shard_map(f: Callable, mesh, in_specs, out_specs, *, check: bool = True) -> 
 
             return global_call(lambda *a: _local_call(f, mesh, in_specs, out_specs, check, a, name),
                                mesh, in_specs, out_specs, args, name)
-        return _local_call(f, mesh, in_specs, out_specs, check, args, name)
+        return _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed if check else None)
 
     mapped.__wrapped__ = f
     return mapped

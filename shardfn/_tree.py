@@ -132,14 +132,15 @@ def broadcast_prefix(prefix: Any, tree: Any, *, what: str, is_prefix_leaf: Calla
             f"Fix: give {what} the same structure as the arguments down to where one spec "
             f"applies to a whole subtree (a single spec, e.g. P(), applies to everything below it)."
         )
-    out: list = []
+    paths, _, _ = flatten_with_paths(tree)
+    return [_prefix_leaf(prefix, path, is_prefix_leaf) for path in paths]
 
-    def add(p, sub):
-        n = len(flatten(sub)[0])
-        out.extend([p] * n)
 
-    optree.tree_map_(
-        add, prefix, tree, is_leaf=lambda x: x is None or is_prefix_leaf(x), none_is_leaf=True,
-        namespace=NAMESPACE,
-    )
-    return out
+def _prefix_leaf(prefix: Any, path: tuple, is_prefix_leaf: Callable[[Any], bool]):
+    """The prefix leaf that covers the tree leaf at `path` (matched by key, not position)."""
+    node = prefix
+    for key in path:
+        if node is None or is_prefix_leaf(node):
+            break
+        node = node[key]
+    return node

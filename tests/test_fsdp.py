@@ -309,7 +309,8 @@ def test_error_structure_differs_across_ranks():
         rows = 4 if mesh.rank == 0 else 5
         return step.shard_params({"a": torch.ones(3), "b": torch.ones(rows, 2)})
 
-    _run_expect(mesh, body, r"different parameter trees.*leaf #1: rank \d has params\['b'\]: \((4|5), 2\)")
+    _run_expect(mesh, body, r"different parameter trees to shard_params\. First difference, at entry #1: "
+                            r"rank \d has params\['b'\]: \((4|5), 2\)")
 
 
 def test_error_outside_rank_and_wrong_shards():

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable, Mapping, Sequence
 
-from .._errors import CollectiveTimeoutError, RankAbortedError
+from .._errors import CollectiveTimeoutError, DesyncError, RankAbortedError
 
 __all__ = ["Group", "BackendBase", "axis_subsets", "group_members", "rank_coords"]
 
@@ -105,6 +105,7 @@ class BackendBase:
         self._seq: dict[tuple[int, str], int] = {}
         self._last_op: dict[int, str] = {}
         self._op_at: dict[tuple[int, str], tuple[int, str]] = {}  # (rank, subset key) -> latest (seq, op)
+        self.check_collectives = False  # compare every collective across ranks (see _check_same_op)
 
     # -- to be provided by a backend --------------------------------------------------
     def rank(self) -> int:
@@ -146,7 +147,21 @@ class BackendBase:
         self._seq[key] = seq
         self._last_op[rank] = f"{what} (collective #{seq} over {group.axes})"
         self._op_at[key] = (seq, what)
+        if self.check_collectives:
+            self._check_same_op(group, key[1], seq, what)
         return seq
+
+    def _check_same_op(self, group: Group, key: str, seq: int, what: str) -> None:
+        """[Note: desync detection] Raise DesyncError if a peer issued another collective as
+        collective #seq of this group, instead of hanging in (or mixing up) the mismatch."""
+
+    def _desync(self, group: Group, seq: int, mine: str, other_rank: int, other: str) -> DesyncError:
+        return DesyncError(
+            f"collectives out of step over mesh axes {group.axes}: as collective #{seq} of that group, "
+            f"rank {self.rank()} issued {mine} but rank {other_rank} issued {other}.\nFix: every rank must "
+            f"issue the same collectives in the same order with the same shapes and dtypes; look for a "
+            f"branch on the rank or on data that differs across ranks."
+        )
 
     def wait(self, work, group: Group, what: str, seq: int) -> None:
         """Wait for `work`, honouring the abort flag and the timeout. See [Note: polled waits]."""

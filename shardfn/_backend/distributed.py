@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+import zlib
 from typing import Callable, Mapping
 
 import torch
@@ -34,8 +35,10 @@ def _default_backend(device: torch.device | None) -> str:
 class DistributedBackend(BackendBase):
     kind = "distributed"
 
-    def __init__(self, mesh_shape: Mapping[str, int], timeout: float, backend: str | None, device):
+    def __init__(self, mesh_shape: Mapping[str, int], timeout: float, backend: str | None, device,
+                 check_collectives: bool = False):
         super().__init__(mesh_shape, timeout)
+        self.check_collectives = check_collectives or os.environ.get("SHARDFN_CHECK_COLLECTIVES") == "1"
         device = torch.device(device) if device is not None else None
         if not dist.is_initialized():
             missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
@@ -89,6 +92,32 @@ class DistributedBackend(BackendBase):
 
     def _polled(self, work) -> bool:
         return self.backend_name == "gloo"
+
+    _WIDTH = 256  # bytes of an op description exchanged on a mismatch
+
+    def _check_same_op(self, group, key: str, seq: int, what: str) -> None:
+        """Opt-in (costs one small blocking all-reduce per collective): compare a hash of
+        the op description across the group; on a mismatch, exchange the descriptions."""
+        if group.size == 1:
+            return
+        digest = zlib.crc32(what.encode())
+        flags = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        group.pg.allreduce([flags], opts).wait()
+        if int(flags[0]) == -int(flags[1]):
+            return
+        mine = torch.zeros(self._WIDTH, dtype=torch.uint8, device=self.device)
+        raw = what.encode()[: self._WIDTH]
+        mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        everyone = torch.empty(group.size * self._WIDTH, dtype=torch.uint8, device=self.device)
+        group.pg._allgather_base(everyone, mine).wait()
+        rows = everyone.view(group.size, self._WIDTH).cpu()
+        pg_ranks = sorted(group.ranks)  # pg order = ascending global rank
+        for pg_rank, row in enumerate(rows):
+            text = bytes(b for b in row.tolist() if b).decode(errors="replace")
+            if text != what[: self._WIDTH]:
+                raise self._desync(group, seq, what, pg_ranks[pg_rank], text)
 
     def _missing_ranks(self, group, seq: int) -> str:
         """Ask the peers, through the store, where they are (best effort: error path only)."""

@@ -14,6 +14,8 @@ fallbacks through `FORCE_FALLBACK`.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 from typing import Callable, Sequence
 
@@ -34,6 +36,27 @@ __all__ = [
     "FORCE_FALLBACK",
     "recording",
 ]
+
+def plain_mode() -> contextlib.ExitStack:
+    """Plain tensors only: no functorch lifting, no autograd recording.
+
+    Collectives and their buffers are raw data movement; they must stay plain even when
+    called inside a torch.func transform (a wrapped tensor has no storage to hand to a
+    process group)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._C._DisableFuncTorch())
+    stack.enter_context(torch.no_grad())
+    return stack
+
+
+def _plain_op(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with plain_mode():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
 
 FORCE_FALLBACK: set[str] = set()  # op names to run through their fallback (tests)
 _MISSING: set[tuple[str, str]] = set()  # (backend class name, op) found unsupported
@@ -70,10 +93,11 @@ class Pending:
         self._work, self._group, self._what, self._seq, self._finish = work, group, what, seq, finish
 
     def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._group.backend.wait(self._work, self._group, self._what, self._seq)
-            self._work = None
-        return self._finish()
+        with plain_mode():
+            if self._work is not None:
+                self._group.backend.wait(self._work, self._group, self._what, self._seq)
+                self._work = None
+            return self._finish()
 
 
 def _describe(op: str, x: torch.Tensor) -> str:
@@ -110,6 +134,7 @@ def _all_reduce_work(group: Group, t: torch.Tensor, op: str):
     return group.pg.allreduce([t], opts)
 
 
+@_plain_op
 def all_reduce(group: Group, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Reduce `x` over the group; returns a new tensor (x is not modified)."""
     out = x.detach().clone(memory_format=torch.contiguous_format)
@@ -143,6 +168,7 @@ def _pg_index(group: Group) -> int:
     return group.index if group.perm is None else group.perm[group.index]
 
 
+@_plain_op
 def all_gather_async(group: Group, x: torch.Tensor) -> Pending:
     """Start gathering equal-shaped blocks; the result stacks them: (k, *x.shape), logical order."""
     x = x.detach().contiguous()
@@ -164,6 +190,7 @@ def all_gather_async(group: Group, x: torch.Tensor) -> Pending:
     return _issue(group, "all_gather", x, direct, fallback)
 
 
+@_plain_op
 def all_gather(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """Concatenate equal-shaped blocks of all ranks along `dim`, in logical order."""
     if group.size == 1:
@@ -172,6 +199,7 @@ def all_gather(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return stacked.movedim(0, dim).flatten(dim, dim + 1) if x.dim() else stacked
 
 
+@_plain_op
 def reduce_scatter_async(group: Group, x: torch.Tensor) -> Pending:
     """Start summing `x` (shape (k, *block)) over the group; result is this rank's block."""
     x = x.detach().contiguous()
@@ -196,6 +224,7 @@ def reduce_scatter_async(group: Group, x: torch.Tensor) -> Pending:
     return _issue(group, "reduce_scatter", x, direct, fallback)
 
 
+@_plain_op
 def reduce_scatter(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """Sum over the group, keep this rank's block of `dim` (size must divide by group size)."""
     if group.size == 1:
@@ -206,6 +235,7 @@ def reduce_scatter(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return reduce_scatter_async(group, stacked).wait().movedim(0, dim)
 
 
+@_plain_op
 def all_to_all(group: Group, x: torch.Tensor, split_dim: int, concat_dim: int) -> torch.Tensor:
     """Send block i of `split_dim` to rank i; concatenate received blocks along `concat_dim`."""
     if group.size == 1:
@@ -228,12 +258,13 @@ def all_to_all(group: Group, x: torch.Tensor, split_dim: int, concat_dim: int) -
 
     def fallback():
         gathered = all_gather_async(group, blocks).wait()  # (k_src, k_dst, m, *rest), logical src
-        mine = gathered[:, group.index]
+        mine = gathered[:, _pg_index(group)]  # blocks were laid out by destination pg rank
         return finish(_blocks_to_pg(group, mine))
 
     return _issue(group, "all_to_all", x, direct, fallback).wait()
 
 
+@_plain_op
 def ppermute(group: Group, x: torch.Tensor, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Send x from logical index src to dst for each pair; ranks that receive nothing get zeros.
 

@@ -41,6 +41,9 @@ class SimulatedBackend(BackendBase):
         self._generation = 0
         self._pgs: dict[tuple[int, tuple[str, ...]], object] = {}
         self._lock = threading.Lock()
+        self._history: dict[tuple[int, str], dict[int, str]] = {}  # (rank, subset key) -> {seq: op}
+        self._history_lock = threading.Lock()
+        self.check_collectives = True  # free here: ranks share memory
         self._build()
 
     # -- groups -----------------------------------------------------------------------
@@ -51,6 +54,7 @@ class SimulatedBackend(BackendBase):
         self._seq.clear()
         self._last_op.clear()
         self._op_at.clear()
+        self._history = {}
         subsets = axis_subsets(list(self.mesh_shape))
         pgs: dict = {}
         errors: list = []
@@ -100,6 +104,20 @@ class SimulatedBackend(BackendBase):
 
     def in_rank(self) -> bool:
         return getattr(self._local, "rank", None) is not None
+
+    _HISTORY = 256  # collectives remembered per rank and group
+
+    def _check_same_op(self, group, key: str, seq: int, what: str) -> None:
+        rank = self.rank()
+        with self._history_lock:  # record-then-compare is atomic: of two ranks, the later sees the earlier
+            mine = self._history.setdefault((rank, key), {})
+            mine[seq] = what
+            mine.pop(seq - self._HISTORY, None)
+            peers = {peer: self._history.get((peer, key)) for peer in group.ranks}
+        for peer, theirs in peers.items():
+            other = theirs.get(seq) if theirs is not None else None
+            if other is not None and other != what:
+                raise self._desync(group, seq, what, peer, other)
 
     def _missing_ranks(self, group, seq: int) -> str:
         key = ",".join(a for a in self.mesh_shape if a in group.axes)

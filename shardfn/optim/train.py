@@ -15,12 +15,19 @@ def train_step(
     *,
     has_aux: bool = False,
     inplace: bool = False,
+    use_func: bool = False,
 ) -> Callable[[Any, Any, Any], tuple]:
     """Build ``train(shards, opt_state, batch) -> (shards, opt_state, loss)``.
 
-    The returned function computes ``torch.func.grad_and_value(step)(shards, batch)``,
+    The returned function computes the loss and its gradient with respect to ``shards``,
     runs ``opt.update(grads, opt_state, shards)`` and applies the updates, all outside
     autograd (``torch.no_grad()``) so no history accumulates across steps.
+
+    The gradient comes from eager autograd (``torch.autograd.grad`` on detached leaves
+    that share the shards' storage), which skips functorch's per-op wrapping and is the
+    fastest path; ``use_func=True`` uses ``torch.func.grad_and_value`` instead (needed
+    when ``train`` itself runs under a ``torch.func`` transform). Both give the same
+    numbers; leaves that get no gradient get zeros.
 
     Args:
         step: ``step(params, batch) -> scalar loss``; a plain function or the result of
@@ -29,6 +36,7 @@ def train_step(
         has_aux: ``step`` returns ``(loss, aux)``; ``train`` then returns
             ``(shards, opt_state, loss, aux)``.
         inplace: add the updates into the ``shards`` tensors instead of returning new ones.
+        use_func: take the gradient with ``torch.func.grad_and_value``.
 
     Returns:
         The ``train`` function; ``loss`` is detached.
@@ -48,7 +56,10 @@ def train_step(
         >>> params["w"]
         tensor([1., 2.])
     """
-    grad_and_value = torch.func.grad_and_value(step, has_aux=has_aux)
+    if use_func:
+        grad_and_value = torch.func.grad_and_value(step, has_aux=has_aux)
+    else:
+        grad_and_value = _autograd_grad_and_value(step, has_aux)
 
     def train(shards, opt_state, batch):
         grads, value = grad_and_value(shards, batch)
@@ -61,3 +72,23 @@ def train_step(
         return shards, opt_state, value.detach()
 
     return train
+
+
+def _autograd_grad_and_value(step, has_aux: bool):
+    """`grad_and_value` on eager autograd: differentiate w.r.t. detached copies of the
+    leaves (same storage, so in-place updates reach the caller's tensors)."""
+    from .._tree import flatten, unflatten
+
+    def grad_and_value(shards, batch):
+        leaves, treedef = flatten(shards)
+        inputs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
+        with torch.enable_grad():
+            value = step(unflatten(treedef, inputs), batch)
+            loss = value[0] if has_aux else value
+            wanted = [x for x in inputs if x.requires_grad]
+            grads = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+        out = [(next(grads) if x.requires_grad else None) for x in inputs]
+        out = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out)]
+        return unflatten(treedef, out), value
+
+    return grad_and_value
