@@ -50,4 +50,4 @@ def test_optim_update_tiny(tmp_path):
 
     optim_update.main(["--tiny", "--out", str(tmp_path / "opt.json")])
     report = json.loads((tmp_path / "opt.json").read_text())
-    assert report["tiny"] is True
+    assert report["config"]["tiny"] is True and report["results"]
