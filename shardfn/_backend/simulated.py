@@ -159,16 +159,17 @@ class SimulatedBackend(BackendBase):
             threading.Thread(target=body, args=(r,), name=f"shardfn-rank-{r}", daemon=True)
             for r in range(self.size)
         ]
-        for t in threads:
-            t.start()
         try:
+            for t in threads:
+                t.start()
             for t in threads:
                 while t.is_alive():
                     t.join(0.1)
-        except KeyboardInterrupt:
+        except BaseException:  # KeyboardInterrupt in a notebook: stop every rank, then re-raise
             self.abort.set()
             for t in threads:
-                t.join(self.timeout)
+                if t.ident is not None:
+                    t.join(self.timeout)
             self._retire()
             raise
         if failures:
