@@ -19,11 +19,13 @@ __all__ = ["exchange_text", "check_same_everywhere"]
 
 def exchange_text(group, text: str) -> list[str]:
     """Every rank's `text`, in the group's logical order (works on both backends)."""
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    sizes = ops.all_gather(group, torch.tensor([data.numel()]))
+    device = group.backend.device  # NCCL groups take CUDA tensors only
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    sizes = ops.all_gather(group, torch.tensor([data.numel()], device=device))
     width = max(int(sizes.max()), 1)
     padded = torch.nn.functional.pad(data, (0, width - data.numel()))
     rows = ops.all_gather_async(group, padded).wait()
+    rows, sizes = rows.cpu(), sizes.cpu()
     return [bytes(rows[i, : int(sizes[i])].tolist()).decode() for i in range(group.size)]
 
 
@@ -37,7 +39,8 @@ def check_same_everywhere(group, lines: list[str], what: str, fix: str) -> None:
     """
     digest = zlib.crc32("\n".join(lines).encode())
     with ops.plain_mode():
-        both = ops.all_reduce(group, torch.tensor([digest, -digest], dtype=torch.int64), "max")
+        flags = torch.tensor([digest, -digest], dtype=torch.int64, device=group.backend.device)
+        both = ops.all_reduce(group, flags, "max")
         if int(both[0]) == -int(both[1]):
             return
         texts = exchange_text(group, "\n".join(lines))

@@ -416,7 +416,8 @@ class GatherTangent(torch.autograd.Function):
             full = torch.empty(plan.full_numel, dtype=unit.dtype, device=rs.device)
             copy_out(plan, gathered, full)
             out.extend(leaf_views(plan, full))
-        out.extend(t if t is not None else torch.zeros(l.shape, dtype=l.dtype) for l, t in zip(plan.replicated, tangents[n:]))
+        out.extend(t if t is not None else torch.zeros(l.shape, dtype=l.dtype, device=rs.device)
+                   for l, t in zip(plan.replicated, tangents[n:]))
         return tuple(out)
 
     @staticmethod
