@@ -29,3 +29,4 @@ from ._fsdp import shard as shard
 from ._functional import functional as functional
 from . import optim as optim
 from .optim import train_step as train_step
+from . import checkpoint as checkpoint
