@@ -12,29 +12,41 @@ from ._backend import ops
 from ._backend.base import rank_coords
 from ._errors import SpecError
 
-__all__ = ["Mesh", "init_mesh", "local_mesh"]
+__all__ = ["Mesh", "init_mesh", "local_mesh", "MAX_SIMULATED_RANKS"]
+
+MAX_SIMULATED_RANKS = 16  # each group of n ranks holds n*(n-1) loopback sockets in this one process
+
+
+_EXAMPLE = "e.g. sf.local_mesh({'data': 4}) or sf.local_mesh((2, 2), ('data', 'model'))"
 
 
 def _normalize_shape(shape, axis_names) -> dict[str, int]:
+    """`{axis: size}` from a dict, or from sizes plus names; SpecError for anything else."""
     if isinstance(shape, Mapping):
         if axis_names is not None:
             raise SpecError("give the mesh shape either as a dict {'data': 4} or as sizes plus axis_names, not both")
         pairs = list(shape.items())
     else:
-        if isinstance(shape, int):
+        if isinstance(shape, int) and not isinstance(shape, bool):
             shape = (shape,)
+        if not isinstance(shape, (tuple, list)):
+            raise SpecError(f"a mesh shape must be a dict {{axis: size}} or a tuple of sizes, got {shape!r}; {_EXAMPLE}")
         shape = tuple(shape)
         if axis_names is None:
             if len(shape) == 1:
                 axis_names = ("data",)
-            else:
+            elif len(shape) > 1:
                 raise SpecError(
                     f"a mesh of shape {shape} needs axis_names, one per dim, e.g. "
                     f"axis_names={tuple(f'axis{i}' for i in range(len(shape)))}; or pass a dict "
-                    f"like {{'data': {shape[0]}, 'model': {shape[1]}}}"
+                    f"like {{'data': {shape[0]!r}, 'model': {shape[1]!r}}}"
                 )
+            else:
+                axis_names = ()
         if isinstance(axis_names, str):
             axis_names = (axis_names,)
+        if not isinstance(axis_names, (tuple, list)):
+            raise SpecError(f"axis_names must be a tuple of strings, got {axis_names!r}; {_EXAMPLE}")
         if len(axis_names) != len(shape):
             raise SpecError(f"mesh shape {shape} has {len(shape)} dims but axis_names {tuple(axis_names)} has {len(axis_names)}")
         pairs = list(zip(axis_names, shape))
@@ -45,7 +57,7 @@ def _normalize_shape(shape, axis_names) -> dict[str, int]:
             problems.append(f"axis name {name!r} is not a non-empty string")
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             problems.append(f"axis {name!r} has size {size!r}; sizes must be positive integers")
-    dupes = sorted({n for n in names if names.count(n) > 1})
+    dupes = sorted({repr(n) for n in names if names.count(n) > 1})
     if dupes:
         problems.append(f"axis names {dupes} appear more than once")
     if not pairs:
@@ -53,8 +65,14 @@ def _normalize_shape(shape, axis_names) -> dict[str, int]:
     if problems:
         from ._errors import bullet_list
 
-        raise SpecError(f"invalid mesh shape {dict(pairs) if not dupes else pairs}:\n{bullet_list(problems)}")
+        raise SpecError(f"invalid mesh shape {pairs}:\n{bullet_list(problems)}")
     return dict(pairs)
+
+
+def _check_timeout(timeout) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e7:
+        raise SpecError(f"timeout must be a positive number of seconds, got {timeout!r}; e.g. timeout=60")
+    return float(timeout)
 
 
 class Mesh:
@@ -193,7 +211,15 @@ def local_mesh(shape, axis_names: Sequence[str] | None = None, *, timeout: float
       >>> mesh.run(lambda: mesh.all_reduce(torch.ones(()), "data").item())
       [4.0, 4.0, 4.0, 4.0]
     """
-    return Mesh(SimulatedBackend(_normalize_shape(shape, axis_names), timeout))
+    shape = _normalize_shape(shape, axis_names)
+    size = math.prod(shape.values())
+    if size > MAX_SIMULATED_RANKS:
+        raise SpecError(
+            f"local_mesh({shape}) would start {size} rank threads in this process; the simulated mesh "
+            f"allows at most {MAX_SIMULATED_RANKS}.\nFix: simulate a smaller mesh, or run real processes "
+            f"with torchrun and sf.init_mesh."
+        )
+    return Mesh(SimulatedBackend(shape, _check_timeout(timeout)))
 
 
 def init_mesh(
@@ -225,4 +251,5 @@ def init_mesh(
 
       mesh = sf.init_mesh({"data": 2})
     """
-    return Mesh(DistributedBackend(_normalize_shape(shape, axis_names), timeout, backend, device, check_collectives))
+    shape = _normalize_shape(shape, axis_names)
+    return Mesh(DistributedBackend(shape, _check_timeout(timeout), backend, device, check_collectives))

@@ -6,7 +6,11 @@ that raises sets the mesh's abort flag; the others leave their current wait with
 poll slice (see base.py's [Note: polled waits]) with `RankAbortedError`, and `run`
 re-raises the first real error with its rank. Groups that may hold unfinished work are
 retired (kept referenced, since a gloo group with stuck work blocks when collected) and
-fresh ones are built for the next `run`.
+fresh ones are built for the next `run` — only when some group's members issued different
+numbers of collectives, i.e. when work can be pending. Stuck gloo work ends at gloo's own
+timeout (the mesh timeout + 2 s); until then it also holds up interpreter exit, which is
+why tests use short mesh timeouts. `shutdown()`/`abort()` on a gloo group do not release
+it (checked on torch 2.13).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from .base import BackendBase, axis_subsets, group_members, rank_coords
 __all__ = ["SimulatedBackend"]
 
 _GRAVEYARD: list = []  # retired process groups; see [Note: fail fast]
-_GRACE_S = 30.0  # gloo's own timeout exceeds ours, so our message comes first
+_GRACE_S = 2.0  # gloo's own timeout exceeds ours, so our message comes first; see [Note: fail fast]
 
 
 class SimulatedBackend(BackendBase):
@@ -87,8 +91,19 @@ class SimulatedBackend(BackendBase):
         return self._pgs[(rank, subset)]
 
     def _retire(self) -> None:
+        """Replace the groups if one may hold unfinished work; see [Note: fail fast]."""
+        if self._all_groups_in_step():
+            return  # every group's members issued the same number of collectives: nothing pending
         _GRAVEYARD.append(self._pgs)
         self._build()
+
+    def _all_groups_in_step(self) -> bool:
+        for subset in axis_subsets(list(self.mesh_shape)):
+            key = ",".join(subset)
+            for members in group_members(self.mesh_shape, subset):
+                if len({self._seq.get((r, key), 0) for r in members}) > 1:
+                    return False
+        return True
 
     # -- ranks ------------------------------------------------------------------------
     def rank(self) -> int:
