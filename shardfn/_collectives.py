@@ -86,7 +86,41 @@ def _front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
     return x if bdim is None or bdim == 0 else x.movedim(bdim, 0)
 
 
+_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+              torch.int32, torch.int64)
+
+
+def _operand(x, op: str, group: Group) -> torch.Tensor:
+    """SpecError unless `x` is a tensor this group's collectives can move."""
+    if not isinstance(x, torch.Tensor):
+        raise SpecError(f"{op}: expected a torch.Tensor, got {type(x).__name__} {x!r:.60}")
+    device = group.backend.device
+    if x.device.type != device.type:
+        raise SpecError(f"{op}: the tensor is on {x.device}, but this mesh communicates tensors on {device.type}; "
+                        f"move it with .to(mesh.device)")
+    if x.dtype not in _SUPPORTED:
+        raise SpecError(
+            f"{op}: dtype {x.dtype} is not supported by shardfn's collectives (supported: "
+            f"{', '.join(str(d).replace('torch.', '') for d in _SUPPORTED)}); cast it first, e.g. x.float()"
+            + (" (for complex values, collect torch.view_as_real(x))" if x.is_complex() else "")
+        )
+    return x
+
+
+def _int(value, op: str, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{op}: {what} must be an int, got {value!r:.60}")
+    return value
+
+
+def _flag(value, op: str, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(f"{op}: {what} must be True or False, got {value!r:.60}")
+    return value
+
+
 def _dim(d: int, ndim: int, op: str, what: str = "dim") -> int:
+    d = _int(d, op, what)
     if not -ndim <= d < ndim:
         raise SpecError(f"{op}: {what}={d} is out of range for a tensor of rank {ndim}")
     return d % ndim
@@ -131,17 +165,19 @@ def psum(x, axis):
       tensor([3.])
     """
     group = _group("psum", axis)
-    return _tree.tree_map(
-        lambda leaf: _Psum.apply(leaf, group) if isinstance(leaf, torch.Tensor) else leaf * group.size, x
-    )
+    return _tree.tree_map(lambda leaf: _psum_leaf(leaf, group, "psum"), x)
 
 
 def pmean(x, axis):
     """Mean of `x` over a mesh axis (or tuple of axes)."""
     group = _group("pmean", axis)
-    return _tree.tree_map(
-        lambda leaf: _Psum.apply(leaf, group) / group.size if isinstance(leaf, torch.Tensor) else leaf, x
-    )
+    return _tree.tree_map(lambda leaf: _psum_leaf(leaf, group, "pmean") / group.size, x)
+
+
+def _psum_leaf(leaf, group: Group, op: str):
+    if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+        return leaf * group.size  # psum(1, 'data') is the axis size, as in JAX
+    return _Psum.apply(_operand(leaf, op, group), group)
 
 
 # -- pmax / pmin -----------------------------------------------------------------------
@@ -184,12 +220,14 @@ class _Pextremum(torch.autograd.Function):
 
 def pmax(x: torch.Tensor, axis) -> torch.Tensor:
     """Elementwise max over a mesh axis; gradient flows to the ranks holding the max."""
-    return _Pextremum.apply(x, _group("pmax", axis), "max")
+    group = _group("pmax", axis)
+    return _Pextremum.apply(_operand(x, "pmax", group), group, "max")
 
 
 def pmin(x: torch.Tensor, axis) -> torch.Tensor:
     """Elementwise min over a mesh axis; gradient flows to the ranks holding the min."""
-    return _Pextremum.apply(x, _group("pmin", axis), "min")
+    group = _group("pmin", axis)
+    return _Pextremum.apply(_operand(x, "pmin", group), group, "min")
 
 
 # -- all_gather <-> psum_scatter -------------------------------------------------------
@@ -246,7 +284,8 @@ def all_gather(x: torch.Tensor, axis, dim: int = 0, tiled: bool = True) -> torch
     Transpose: `psum_scatter`.
     """
     group = _group("all_gather", axis)
-    if not tiled:
+    x = _operand(x, "all_gather", group)
+    if not _flag(tiled, "all_gather", "tiled"):
         dim = _dim(dim, x.dim() + 1, "all_gather")
         return _AllGather.apply(x.unsqueeze(dim), group, dim)
     if x.dim() == 0:
@@ -262,6 +301,10 @@ def psum_scatter(x: torch.Tensor, axis, dim: int = 0, tiled: bool = True) -> tor
     is removed. Transpose: `all_gather`.
     """
     group = _group("psum_scatter", axis)
+    x = _operand(x, "psum_scatter", group)
+    _flag(tiled, "psum_scatter", "tiled")
+    if x.dim() == 0:
+        raise SpecError("psum_scatter needs a tensor of rank >= 1")
     d = _dim(dim, x.dim(), "psum_scatter")
     n = x.shape[d]
     if (not tiled and n != group.size) or (tiled and n % group.size):
@@ -306,7 +349,12 @@ def ppermute(x: torch.Tensor, axis, perm: Sequence[tuple[int, int]]) -> torch.Te
     A rank that no pair sends to receives zeros. Transpose: the inverse permutation.
     """
     group = _group("ppermute", axis)
-    pairs = tuple((int(s), int(d)) for s, d in perm)
+    x = _operand(x, "ppermute", group)
+    try:
+        pairs = tuple((_int(s, "ppermute", "perm entries"), _int(d, "ppermute", "perm entries")) for s, d in perm)
+    except (TypeError, ValueError):
+        raise SpecError(f"ppermute(axis={axis!r}): perm must be a list of (source, destination) index pairs, "
+                        f"got {perm!r:.80}; e.g. [(0, 1), (1, 0)]") from None
     srcs, dsts = [s for s, _ in pairs], [d for _, d in pairs]
     bad = [p for p in pairs if not (0 <= p[0] < group.size and 0 <= p[1] < group.size)]
     if bad or len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
@@ -351,6 +399,10 @@ def all_to_all(x: torch.Tensor, axis, split_dim: int, concat_dim: int, tiled: bo
     Transpose: all_to_all with the dims swapped.
     """
     group = _group("all_to_all", axis)
+    x = _operand(x, "all_to_all", group)
+    _flag(tiled, "all_to_all", "tiled")
+    if x.dim() == 0:
+        raise SpecError("all_to_all needs a tensor of rank >= 1")
     s = _dim(split_dim, x.dim(), "all_to_all", "split_dim")
     n = x.shape[s]
     if (not tiled and n != group.size) or (tiled and n % group.size):

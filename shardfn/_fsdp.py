@@ -387,10 +387,23 @@ def shard(
             f"shard: shard_axes {sharded} must be a subset of data_axes {data}; {stray} are not data axes.\n"
             f"Fix: add them to data_axes (HSDP: data_axes=('replica', 'shard'), shard_axes='shard')."
         )
-    if not isinstance(prefetch, int) or prefetch < 0:
+    for name, fn in (("units", units), ("replicated", replicated), ("frozen", frozen)):
+        if fn is not None and not callable(fn):
+            raise SpecError(f"shard: {name} must be a function of a key path (or None), got {fn!r:.60}; "
+                            f"e.g. {name}=lambda path: path[0] == 'layers'")
+    if not isinstance(reshard_after_forward, bool):
+        raise SpecError(f"shard: reshard_after_forward must be True or False, got {reshard_after_forward!r:.60}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise SpecError(f"shard: prefetch must be a non-negative int, got {prefetch!r}")
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise SpecError("shard: mixed_precision must be sf.MixedPrecision(param_dtype=..., reduce_dtype=...)")
+    if mixed_precision is not None:
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dtype = getattr(mixed_precision, field)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise SpecError(f"shard: MixedPrecision.{field} must be a floating torch.dtype or None, got {dtype!r:.60}")
+    if not callable(loss_fn):
+        raise SpecError(f"shard: loss_fn must be callable, got {loss_fn!r:.60}")
     config = _Config(data, sharded, units, bool(reshard_after_forward), prefetch, mixed_precision, has_aux, replicated,
                      frozen, bool(check_finite))
     return Shard(loss_fn, mesh, config)

@@ -131,6 +131,16 @@ def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None
                 f"{_describe_leaf(path, leaf)} is a {type(leaf).__name__}, not a tensor; fix: make it a "
                 f"tensor, or keep non-tensor settings out of the params tree (close over them)"
             )
+        elif leaf.device.type == "meta":
+            problems.append(
+                f"{_describe_leaf(path, leaf)} is on the meta device (it has no data to shard); fix: "
+                f"materialize it first (e.g. module.to_empty(device=...) and initialize)"
+            )
+        elif leaf.is_complex():
+            problems.append(
+                f"{_describe_leaf(path, leaf)} is complex ({leaf.dtype}); shardfn's collectives move real "
+                f"dtypes: keep torch.view_as_real(p) in the tree"
+            )
     if problems:
         from ._errors import bullet_list
 

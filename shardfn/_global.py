@@ -21,7 +21,7 @@ __all__ = ["global_call"]
 def _spec_leaves(specs, tree, what):
     from ._shard_map import _as_spec, _is_spec
 
-    return [_as_spec(s) for s in _tree.broadcast_prefix(specs, tree, what=what, is_prefix_leaf=_is_spec)]
+    return [_as_spec(s, what) for s in _tree.broadcast_prefix(specs, tree, what=what, is_prefix_leaf=_is_spec)]
 
 
 class _Runner:

@@ -35,8 +35,15 @@ def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec) or x is None
 
 
-def _as_spec(x) -> PartitionSpec:
-    return PartitionSpec() if x is None else x
+def _as_spec(x, where: str = "spec") -> PartitionSpec:
+    if x is None:
+        return PartitionSpec()
+    if not isinstance(x, PartitionSpec):
+        raise SpecError(
+            f"{where}: expected a PartitionSpec (sf.P(...)) or None, got {type(x).__name__} {x!r:.60}.\n"
+            f"Fix: wrap axis names in sf.P, e.g. sf.P('data') instead of 'data', sf.P() for replicated."
+        )
+    return x
 
 
 # -- local <-> global blocks ------------------------------------------------------------
@@ -125,7 +132,19 @@ class _Gather(torch.autograd.Function):
         return _gather_blocks(x, spec, mesh, offset=1), 0
 
 
-def _checked_spec(x: torch.Tensor, mesh, spec, where: str) -> PartitionSpec:
+def check_tensor(x, mesh, where: str, communicates: bool = True) -> None:
+    """SpecError unless `x` is a tensor a collective on this mesh can move."""
+    if not isinstance(x, torch.Tensor):
+        raise SpecError(f"{where}: expected a torch.Tensor, got {type(x).__name__} {x!r:.60}")
+    if communicates and x.device.type != mesh.device.type:
+        raise SpecError(
+            f"{where}: the tensor is on {x.device}, but this mesh's ranks communicate tensors on "
+            f"{mesh.device.type} ({mesh.kind} mesh).\nFix: move it with .to(mesh.device)."
+        )
+
+
+def _checked_spec(x: torch.Tensor, mesh, spec, where: str, communicates: bool = True) -> PartitionSpec:
+    check_tensor(x, mesh, where, communicates)
     spec = _as_spec(spec)
     validate_spec(spec, tuple(x.shape), mesh.shape, where)
     return spec
@@ -143,7 +162,7 @@ def scatter(x: torch.Tensor, mesh, spec) -> torch.Tensor:
       >>> mesh.run(lambda: sf.scatter(torch.arange(3.0), mesh, sf.P("data")).tolist())
       [[0.0, 1.0], [2.0]]
     """
-    return _Scatter.apply(x, mesh, _checked_spec(x, mesh, spec, "scatter"))
+    return _Scatter.apply(x, mesh, _checked_spec(x, mesh, spec, "scatter", communicates=False))
 
 
 def gather(x_local: torch.Tensor, mesh, spec) -> torch.Tensor:
@@ -322,9 +341,11 @@ def _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed=None):
     specs = _tree.broadcast_prefix(in_specs, args, what="in_specs", is_prefix_leaf=_is_spec)
     bound = []
     for path, leaf, spec in zip(paths, leaves, specs):
-        spec = _as_spec(spec)
+        where = f"{name}: in_specs for argument {_tree.keystr(path)}"
+        spec = _as_spec(spec, where)
         if isinstance(leaf, torch.Tensor):
-            validate_spec(spec, tuple(leaf.shape), mesh.shape, f"{name}: in_specs for argument {_tree.keystr(path)}")
+            check_tensor(leaf, mesh, f"{name}: argument {_tree.keystr(path)}")
+            validate_spec(spec, tuple(leaf.shape), mesh.shape, where)
             omitted = _omitted(mesh, spec)
             if omitted and (leaf.is_floating_point() or leaf.is_complex()):
                 leaf = _InputBoundary.apply(leaf, mesh.group(omitted))
@@ -344,10 +365,12 @@ def _finish_outputs(mesh, out, out_specs, check, name):
     specs = _tree.broadcast_prefix(out_specs, out, what="out_specs", is_prefix_leaf=_is_spec)
     by_group: dict[tuple[str, ...], list[int]] = {}
     for i, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
-        spec = _as_spec(spec)
+        where = f"{name}: out_specs for output {_tree.keystr(path)}"
+        spec = _as_spec(spec, where)
         if not isinstance(leaf, torch.Tensor):
             continue
-        validate_spec(spec, tuple(leaf.shape), mesh.shape, f"{name}: out_specs for output {_tree.keystr(path)}")
+        check_tensor(leaf, mesh, f"{name}: output {_tree.keystr(path)}")
+        validate_spec(spec, tuple(leaf.shape), mesh.shape, where)
         omitted = _omitted(mesh, spec)
         if omitted:
             by_group.setdefault(omitted, []).append(i)

@@ -140,7 +140,7 @@ def _prefix_leaf(prefix: Any, path: tuple, is_prefix_leaf: Callable[[Any], bool]
     """The prefix leaf that covers the tree leaf at `path` (matched by key, not position)."""
     node = prefix
     for key in path:
-        if node is None or is_prefix_leaf(node):
-            break
+        if node is None or is_prefix_leaf(node) or _one_level(node, none_is_leaf=True) is None:
+            break  # a spec, or a leaf that is not one (the caller's validation names it)
         node = node[key]
     return node
