@@ -148,7 +148,11 @@ class BackendBase:
         self._last_op[rank] = f"{what} (collective #{seq} over {group.axes})"
         self._op_at[key] = (seq, what)
         if self.check_collectives:
-            self._check_same_op(group, key[1], seq, what)
+            try:
+                self._check_same_op(group, key[1], seq, what)
+            except BaseException:
+                self._seq[key] = seq - 1  # not issued: the peers that did are now out of step
+                raise
         return seq
 
     def _check_same_op(self, group: Group, key: str, seq: int, what: str) -> None:
