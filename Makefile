@@ -5,12 +5,15 @@
 PYTHON ?= python3
 PYTEST ?= $(PYTHON) -m pytest
 
-.PHONY: setup demo test test-all
+.PHONY: setup demo test test-all docs docs-serve quickstart
 
 setup:
 	bash scripts/setup.sh
 
 demo: setup
+	$(PYTHON) examples/train_gpt.py
+
+quickstart: setup
 	$(PYTHON) examples/quickstart.py
 
 test: setup
@@ -18,3 +21,9 @@ test: setup
 
 test-all: setup
 	$(PYTEST) -q
+
+docs: setup
+	$(PYTHON) -m mkdocs build --strict
+
+docs-serve: setup
+	$(PYTHON) -m mkdocs serve

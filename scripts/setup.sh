@@ -27,7 +27,8 @@ installed_here() {
     # locates the packages without importing them (importing torch takes seconds).
     (cd / && "$PY" - "$ROOT" <<'PYEOF'
 import importlib.util, os, sys
-for name in ("torch", "optree", "numpy", "hypothesis", "pytest", "pytest_timeout"):
+for name in ("torch", "optree", "numpy", "hypothesis", "pytest", "pytest_timeout", "matplotlib", "tqdm",
+             "mkdocs", "mkdocstrings", "material", "nbclient", "nbformat", "ipykernel"):
     if importlib.util.find_spec(name) is None:
         sys.exit(1)
 spec = importlib.util.find_spec("shardfn")

@@ -1,15 +1,12 @@
-"""shardfn: JAX-style functional sharding for PyTorch."""
-from ._errors import CollectiveTimeoutError as CollectiveTimeoutError
-from ._errors import DesyncError as DesyncError
-from ._errors import NonFiniteError as NonFiniteError
-from ._errors import RankAbortedError as RankAbortedError
-from ._errors import ShardingError as ShardingError
-from ._errors import SpecError as SpecError
-from ._mesh import Mesh as Mesh
-from ._mesh import init_mesh as init_mesh
-from ._mesh import local_mesh as local_mesh
-from ._spec import P as P
-from ._spec import PartitionSpec as PartitionSpec
+"""shardfn: JAX-style functional sharding for PyTorch.
+
+Meshes with named axes (`local_mesh` simulates one in this process, `init_mesh` spans a
+torchrun job), partition specs, `shard_map` with named-axis collectives whose gradients
+are right, and `shard`: fully sharded data parallelism as a function transform.
+"""
+
+from . import checkpoint as checkpoint
+from . import optim as optim
 from ._collectives import all_gather as all_gather
 from ._collectives import all_to_all as all_to_all
 from ._collectives import axis_index as axis_index
@@ -20,13 +17,60 @@ from ._collectives import pmin as pmin
 from ._collectives import ppermute as ppermute
 from ._collectives import psum as psum
 from ._collectives import psum_scatter as psum_scatter
-from ._shard_map import gather as gather
-from ._shard_map import scatter as scatter
-from ._shard_map import shard_map as shard_map
+from ._errors import CollectiveTimeoutError as CollectiveTimeoutError
+from ._errors import DesyncError as DesyncError
+from ._errors import NonFiniteError as NonFiniteError
+from ._errors import RankAbortedError as RankAbortedError
+from ._errors import ShardingError as ShardingError
+from ._errors import SpecError as SpecError
 from ._fsdp import MixedPrecision as MixedPrecision
 from ._fsdp import Shard as Shard
 from ._fsdp import shard as shard
 from ._functional import functional as functional
-from . import optim as optim
+from ._mesh import Mesh as Mesh
+from ._mesh import init_mesh as init_mesh
+from ._mesh import local_mesh as local_mesh
+from ._shard_map import gather as gather
+from ._shard_map import scatter as scatter
+from ._shard_map import shard_map as shard_map
+from ._spec import P as P
+from ._spec import PartitionSpec as PartitionSpec
+from ._visualize import visualize_sharding as visualize_sharding
 from .optim import train_step as train_step
-from . import checkpoint as checkpoint
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "DesyncError",
+    "Mesh",
+    "MixedPrecision",
+    "NonFiniteError",
+    "P",
+    "PartitionSpec",
+    "RankAbortedError",
+    "Shard",
+    "ShardingError",
+    "SpecError",
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "checkpoint",
+    "functional",
+    "gather",
+    "init_mesh",
+    "local_mesh",
+    "optim",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
+    "scatter",
+    "shard",
+    "shard_map",
+    "train_step",
+    "visualize_sharding",
+]

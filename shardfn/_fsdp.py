@@ -374,7 +374,7 @@ def shard(
       ...     g = torch.Generator().manual_seed(0)
       ...     shards = step.shard_params({"w": torch.ones(4, 1)})
       ...     x = torch.randn(8, 4, generator=g); batch = (x, x.sum(1, keepdim=True))
-      ...     loss, grads = torch.func.grad_and_value(step)(shards, batch)
+      ...     grads, loss = torch.func.grad_and_value(step)(shards, batch)
       ...     return tuple(grads["w"].shape)
       >>> mesh.run(train)
       [(2, 1), (2, 1)]

@@ -15,8 +15,11 @@ it (checked on torch 2.13).
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import threading
+import weakref
 import time
 from typing import Callable, Mapping
 
@@ -30,6 +33,21 @@ from .base import BackendBase, axis_subsets, group_members, rank_coords
 __all__ = ["SimulatedBackend"]
 
 _GRAVEYARD: list = []  # retired process groups; see [Note: fail fast]
+_LIVE: "weakref.WeakSet[SimulatedBackend]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_groups() -> None:
+    """Drop every gloo group while Python is still alive.
+
+    A gloo worker thread that destroys a finished work item at interpreter shutdown needs
+    the GIL to release the Python object it holds, and aborts the process ("terminate
+    called without an active exception") if Python is already finalizing."""
+    for backend in list(_LIVE):
+        backend._pgs = {}
+        backend._groups.clear()
+    _GRAVEYARD.clear()
+    gc.collect()
 _GRACE_S = 2.0  # gloo's own timeout exceeds ours, so our message comes first; see [Note: fail fast]
 
 
@@ -47,6 +65,7 @@ class SimulatedBackend(BackendBase):
         self._lock = threading.Lock()
         self._history: dict[tuple[int, str], dict[int, str]] = {}  # (rank, subset key) -> {seq: op}
         self._history_lock = threading.Lock()
+        _LIVE.add(self)
         self.check_collectives = True  # free here: ranks share memory
         self._build()
 

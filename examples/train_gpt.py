@@ -1,0 +1,358 @@
+"""Train a character-level GPT fully sharded (FSDP / ZeRO-3) with shardfn.
+
+The text is the Python standard library's own source (every machine has it), read in a
+fixed file order; the vocabulary is newline plus printable ASCII. The model is nanoGPT's,
+defined below; `sf.functional` turns it into a function of a parameter tree, `sf.shard`
+shards that tree over the mesh, and `sf.optim.adamw` updates this rank's shards in place.
+
+    python examples/train_gpt.py                      # 4 ranks as threads of this process
+    python examples/train_gpt.py --mesh hsdp --bf16   # {'replica': 2, 'shard': 2}, bf16 compute
+    python examples/train_gpt.py --tiny --steps 20    # a smoke test in a few seconds
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py   # same program, 4 processes
+
+Both launches print the same loss at every step for the same --seed: the parameters come
+from one seeded generator, and every rank's batch from a generator seeded by
+(seed, step, rank), so neither depends on threads, processes or the global RNG.
+"""
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import time
+
+import optree
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import shardfn as sf
+
+# -- config ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Config:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64  # C
+    block_size: int = 64  # T: characters of context
+    batch_size: int = 8  # B: sequences per rank per step (global batch = B * ranks)
+    steps: int = 200
+    lr: float = 3e-3  # peak; linear warmup, then cosine decay to lr / 10
+    warmup: int = 20
+    weight_decay: float = 0.1  # matrices only, as in nanoGPT
+    grad_clip: float = 1.0
+    text_chars: int = 400_000  # how much of the standard library to read
+    ckpt_every: int = 50
+
+
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, steps=30, warmup=5, text_chars=100_000)
+VOCAB = ["\n"] + [chr(i) for i in range(32, 127)]  # 96 characters; any other one becomes "?"
+STOI = {c: i for i, c in enumerate(VOCAB)}
+OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+
+
+# -- data: the standard library's source ----------------------------------------------
+
+
+def load_text(n_chars: int) -> torch.Tensor:
+    """The first `n_chars` characters of the stdlib's top-level *.py files, sorted by name."""
+    parts, total = [], 0
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            parts.append(f.read())
+        total += len(parts[-1])
+        if total >= n_chars:
+            break
+    text = "".join(parts)[:n_chars]
+    return torch.tensor([STOI.get(c, STOI["?"]) for c in text], dtype=torch.long)  # (N,)
+
+
+def get_batch(data: torch.Tensor, cfg: Config, seed: int, step: int, rank: int):
+    """This rank's batch at `step`: a function of (seed, step, rank) only."""
+    g = torch.Generator().manual_seed(seed * 1_000_000_007 + step * 1_000 + rank)
+    ix = torch.randint(len(data) - cfg.block_size - 1, (cfg.batch_size,), generator=g)  # (B,)
+    offsets = ix[:, None] + torch.arange(cfg.block_size + 1)  # (B, T + 1)
+    chunk = data[offsets]
+    return chunk[:, :-1], chunk[:, 1:]  # inputs, targets: (B, T) each
+
+
+# -- the model (nanoGPT) ----------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln_1, self.ln_2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+
+    def forward(self, x):  # (B, T, C)
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.c_proj(y)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: Config, vocab_size: int):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.h = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])  # one FSDP unit per block
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: stored (and sharded) once
+
+    def forward(self, idx):  # (B, T) int64
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+
+
+def init_params(params, seed: int):
+    """GPT-2's init from one explicit generator: N(0, 0.02) matrices, zero biases, unit LN."""
+    g = torch.Generator().manual_seed(seed)
+    paths, leaves, treedef = optree.tree_flatten_with_path(params)
+    out = []
+    for path, p in zip(paths, leaves):
+        if p.dim() >= 2:
+            out.append(torch.randn(p.shape, generator=g) * 0.02)
+        else:
+            out.append(torch.ones_like(p) if path[-1] == "weight" else torch.zeros_like(p))  # LayerNorm / bias
+    return optree.tree_unflatten(treedef, out)
+
+
+# -- training: the per-rank program ---------------------------------------------------
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.numel() * x.element_size() for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor))
+
+
+class Progress:
+    """A tqdm bar when tqdm is installed, else a plain line every `every` steps."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, every: int = 10):
+        self.enabled, self.every, self.bar = enabled, every, None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, step: int, total: int, loss: float, tok_s: float, mem: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.3f}  {tok_s:,.0f} tok/s  mem/rank {mem / 1e6:.2f} MB")
+            self.bar.update(1)
+        elif step % self.every == 0 or step == total - 1:
+            print(f"step {step:4d}/{total}  loss {loss:.4f}  {tok_s:8,.0f} tok/s  mem/rank {mem / 1e6:.2f} MB", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train(mesh, cfg: Config, args, apply_fn, params, data):
+    """Run on every rank. Returns (losses, full params, per-rank memory table)."""
+    torch.set_num_threads(1)  # the ranks are the parallelism; keep runs reproducible
+    data_axes = mesh.axis_names  # every mesh axis splits the batch (FSDP and HSDP alike)
+    shard_axes = "shard" if args.mesh == "hsdp" else "data"
+
+    def loss_fn(params, batch):
+        x, y = batch  # (B, T), (B, T)
+        logits = apply_fn(params, x)  # (B, T, vocab)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
+    step = sf.shard(loss_fn, mesh, data_axes=data_axes, shard_axes=shard_axes, mixed_precision=mp)
+    shards = step.shard_params(params)  # fp32 master weights: this rank's dim-0 chunk of each leaf
+    warmup = min(cfg.warmup, cfg.steps // 5)  # short runs (smoke tests) get a short warmup
+    schedule = sf.optim.warmup_cosine_decay_schedule(cfg.lr / 10, cfg.lr, warmup, cfg.steps, cfg.lr / 10)
+    decay_matrices = lambda tree: optree.tree_map(lambda p: p.dim() >= 2, tree)  # noqa: E731
+    opt = sf.optim.chain(
+        sf.optim.clip_by_global_norm(cfg.grad_clip, mesh=mesh, axes=shard_axes, specs=step.specs),
+        sf.optim.adamw(schedule, b2=0.99, weight_decay=cfg.weight_decay, mask=decay_matrices),
+    )
+    opt_state = opt.init(shards)  # AdamW moments shaped like the shards: sharded too
+    start, losses = 0, []
+    if args.resume:
+        start, shards, opt_state, losses = load_checkpoint(args.ckpt_dir, mesh, step, shards, opt_state)
+    train_step = sf.train_step(step, opt, inplace=True)
+
+    rank0 = mesh.rank == 0
+    progress = Progress(cfg.steps, start, enabled=rank0 and not args.quiet)
+    static_bytes = 2 * tree_bytes(shards) + tree_bytes(opt_state)  # shards + their grads + AdamW state
+    tokens = cfg.batch_size * cfg.block_size * mesh.size
+    for it in range(start, cfg.steps):
+        batch = get_batch(data, cfg, args.seed, it, mesh.rank)
+        t0 = time.perf_counter()
+        shards, opt_state, loss = train_step(shards, opt_state, batch)
+        dt = time.perf_counter() - t0
+        losses.append(loss.item())
+        mem = static_bytes + step.stats()["peak_gathered_bytes"]
+        progress.update(it, cfg.steps, losses[-1], tokens / dt, mem)
+        if args.ckpt_dir and ((it + 1) % cfg.ckpt_every == 0 or it + 1 == cfg.steps):
+            save_checkpoint(args.ckpt_dir, mesh, step, shards, opt_state, it + 1, losses)
+    progress.close()
+
+    stats = step.stats()
+    row = [tree_bytes(shards), tree_bytes(opt_state), stats["peak_gathered_bytes"], stats["all_gather_bytes"],
+           stats["reduce_scatter_bytes"]]
+    table = torch.zeros(mesh.size, len(row), dtype=torch.float64)
+    table[mesh.rank] = torch.tensor(row, dtype=torch.float64)
+    mesh.all_reduce(table, None)  # every rank's row, on every rank
+    return losses, step.unshard_params(shards), table.long().tolist()
+
+
+# -- checkpoints (sf.checkpoint) ------------------------------------------------------
+
+
+def _checkpoint(step, shards, opt_state):
+    """sf.checkpoint, and the specs of what we save: AdamW's moments are sharded like the params."""
+    try:
+        import shardfn.checkpoint as ckpt
+    except ImportError as e:  # pragma: no cover - only on a shardfn without sf.checkpoint
+        raise SystemExit(f"--ckpt-dir / --resume require sf.checkpoint (shardfn/checkpoint.py): {e}")
+    specs = {"params": step.specs, "opt": ckpt.specs_like(opt_state, step.specs, shards), "step": None, "losses": None}
+    return ckpt, specs
+
+
+def save_checkpoint(directory, mesh, step, shards, opt_state, it, losses):
+    ckpt, specs = _checkpoint(step, shards, opt_state)
+    tree = {"params": shards, "opt": opt_state, "step": it, "losses": json.dumps(losses)}
+    ckpt.save(os.path.join(directory, f"step_{it:06d}"), tree, mesh, specs, overwrite=True)
+
+
+def load_checkpoint(directory, mesh, step, shards, opt_state):
+    ckpt, specs = _checkpoint(step, shards, opt_state)
+    path = ckpt.latest(directory)
+    if path is None:
+        if mesh.rank == 0:
+            print(f"--resume: no checkpoint under {directory!r}; starting from step 0")
+        return 0, shards, opt_state, []
+    like = {"params": shards, "opt": opt_state, "step": 0, "losses": ""}
+    tree = ckpt.load(path, like, mesh, specs)  # from any world size / mesh shape: resharded on load
+    if mesh.rank == 0:
+        print(f"resumed from {path} (step {tree['step']})")
+    return tree["step"], tree["params"], tree["opt"], json.loads(tree["losses"])
+
+
+# -- after training: sampling and the loss curve (main program, rank 0) -----------------
+
+
+@torch.no_grad()
+def sample(apply_fn, params, cfg: Config, prompt: str, n: int, temperature: float, seed: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.tensor([[STOI.get(c, STOI["?"]) for c in prompt]])  # (1, t)
+    for _ in range(n):
+        logits = apply_fn(params, idx[:, -cfg.block_size :])[:, -1, :]  # (1, vocab)
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            nxt = torch.multinomial(F.softmax(logits / temperature, dim=-1), 1, generator=g)
+        idx = torch.cat([idx, nxt], dim=1)
+    return "".join(VOCAB[i] for i in idx[0].tolist())
+
+
+def plot_losses(losses, path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no loss plot)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(len(losses)), losses, lw=1)
+    ax.set(xlabel="step", ylabel="train loss (nats/char)", title=title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"loss curve: {path}")
+
+
+def report(cfg, args, mesh, losses, params, table, apply_fn, seconds):
+    mb = lambda b: f"{b / 1e6:7.3f}"  # noqa: E731
+    print(f"\nloss: step 0 {losses[0]:.4f} -> step {len(losses) - 1} {losses[-1]:.4f}   ({seconds:.1f} s)")
+    print("per-rank memory (MB) and last-step traffic: shards | AdamW state | peak gathered | all-gather | reduce-scatter")
+    for rank, row in enumerate(table):
+        print(f"  rank {rank}: " + " | ".join(mb(b) for b in row))
+    total = sum(p.numel() * 4 for p in optree.tree_leaves(params))
+    print(f"  (the unsharded fp32 model is {total / 1e6:.3f} MB; ZeRO-3: shards ~ 1/{mesh.size} of it each)")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "train_gpt_losses.json"), "w") as f:
+        json.dump({"losses": losses, "mesh": mesh.shape, "kind": mesh.kind, "seed": args.seed}, f)
+    plot_losses(losses, os.path.join(args.out, "train_gpt_loss.png"), f"char GPT, {args.mesh} on {mesh.shape}")
+    for i, prompt in enumerate(("def ", "class ", "import ")):
+        text = sample(apply_fn, params, cfg, prompt, args.sample_chars, 0.8, args.seed + i)
+        print(f"\n--- sample {i} (temperature 0.8) ---\n{text}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mesh", choices=["fsdp", "hsdp", "fsdp_tp"], default="fsdp")
+    parser.add_argument("--ranks", type=int, default=4, help="simulated ranks (torchrun: WORLD_SIZE)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 gathers and compute, fp32 master weights and reductions")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer, 32-wide model for smoke tests")
+    parser.add_argument("--ckpt-dir", default=None, help="save sf.checkpoint directories here")
+    parser.add_argument("--ckpt-every", type=int, default=None)
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    parser.add_argument("--out", default=OUT_DIR, help="where the loss curve goes")
+    parser.add_argument("--sample-chars", type=int, default=200)
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    args = parser.parse_args()
+    cfg = Config(**(TINY if args.tiny else {}))
+    cfg.steps = args.steps if args.steps is not None else cfg.steps
+    cfg.ckpt_every = args.ckpt_every or cfg.ckpt_every
+    if args.mesh == "fsdp_tp":
+        raise SystemExit(
+            "--mesh fsdp_tp is not supported yet: sf.shard applies psum's transpose rule only over its data "
+            "axes, so a psum over 'model' inside loss_fn would scale tensor-parallel gradients by the 'model' "
+            "size. See examples/tensor_parallel.py for tensor parallelism with sf.shard_map.")
+    if args.resume and not args.ckpt_dir:
+        parser.error("--resume needs --ckpt-dir")
+    world = int(os.environ.get("WORLD_SIZE", args.ranks))
+    if args.mesh == "hsdp" and (world < 2 or world % 2):
+        parser.error(f"--mesh hsdp needs an even number of ranks ({{'replica': n / 2, 'shard': 2}}), got {world}")
+
+    torch.set_num_threads(1)
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launched by torchrun
+    shape = {"data": world} if args.mesh == "fsdp" else {"replica": world // 2, "shard": 2}
+    mesh = sf.init_mesh(shape, timeout=120) if distributed else sf.local_mesh(shape, timeout=120)
+
+    data = load_text(cfg.text_chars)
+    model = GPT(cfg, len(VOCAB))
+    apply_fn, params = sf.functional(model)
+    params = init_params(params, args.seed)
+    if not distributed or mesh.rank == 0:
+        n = sum(p.numel() for p in optree.tree_leaves(params))
+        print(f"{mesh}: {args.mesh}{' bf16' if args.bf16 else ''}, {n:,} parameters, {len(data):,} characters "
+              f"of stdlib source, global batch {cfg.batch_size * world} x {cfg.block_size}")
+
+    t0 = time.perf_counter()
+    results = mesh.run(train, mesh, cfg, args, apply_fn, params, data)  # simulated: one result per rank
+    losses, full_params, table = results[0]
+    if not distributed or mesh.rank == 0:
+        report(cfg, args, mesh, losses, full_params, table, apply_fn, time.perf_counter() - t0)
+    if distributed:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
