@@ -157,6 +157,13 @@ class UnitRuntime:
             if self.acc is not None:
                 packed, self.acc = packed + self.acc, None
             rs.stats.collective("reduce_scatter", packed.numel() * packed.element_size())
+            if rs.can_defer(plan, reduce_dtype, lead):  # [Note: deferred reductions]
+                flat = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
+                rs.deferred.append(ops.reduce_scatter_async(rs.shard_group, packed, out=flat))
+                out.extend(unpack_shard_grads(plan, flat, rs.shard_index, lead))
+                if plan.replicated:
+                    out.extend(self._all_reduce_replicated(repl_grads, lead))
+                return out
             flat = ops.reduce_scatter_async(rs.shard_group, packed).wait()  # (*lead, S)
             if rs.replica_group is not None:
                 rs.stats.collective("all_reduce", flat.numel() * flat.element_size())
@@ -230,7 +237,25 @@ class RankState:
         self.prev_order: list[int] = []  # ... on the previous step (prefetch plan)
         self.in_forward = False
         self.accumulating = False  # Shard.accumulate(mode="reduce_once"), all but the last micro-batch
+        self.defer = False  # Shard.grad_and_value: gradient reduce-scatters are waited at the end
+        self.deferred: list = []  # their ops.Pending handles
         self.keep_stats = False  # Shard.accumulate: statistics cover all micro-batches
+
+    def can_defer(self, plan, reduce_dtype, lead) -> bool:
+        """[Note: deferred reductions] Under `Shard.grad_and_value` nothing reads the shard
+        gradients before the backward returns (they are `torch.autograd.grad` outputs, no
+        AccumulateGrad), so a unit's reduce-scatter can run while the backward of the units
+        before it computes, and be waited once at the end. Only when its output needs no
+        further step: no cast, no replica all-reduce, no finiteness check, no vmap."""
+        return (
+            self.defer and not lead and self.replica_group is None and not self.config.check_finite
+            and all(layout.dtype == reduce_dtype for layout in plan.sharded)
+        )
+
+    def finish_deferred(self) -> None:
+        pending, self.deferred = self.deferred, []
+        for p in pending:
+            p.wait()
 
     def check_finite(self, values: torch.Tensor, what: str) -> None:
         """`shard(check_finite=True)`: raise NonFiniteError on every rank of the data group

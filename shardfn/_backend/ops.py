@@ -200,11 +200,12 @@ def all_gather(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 
 @_plain_op
-def reduce_scatter_async(group: Group, x: torch.Tensor) -> Pending:
-    """Start summing `x` (shape (k, *block)) over the group; result is this rank's block."""
+def reduce_scatter_async(group: Group, x: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
+    """Start summing `x` (shape (k, *block)) over the group; result is this rank's block,
+    written into `out` when given (its values are valid only after `wait()`)."""
     x = x.detach().contiguous()
-    k = group.size
-    out = torch.empty(tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _note("reduce_scatter", group, x.numel() * x.element_size())
     x_pg = _blocks_to_pg(group, x)
 
@@ -218,9 +219,9 @@ def reduce_scatter_async(group: Group, x: torch.Tensor) -> Pending:
         total = x_pg.clone()
         work = _all_reduce_work(group, total, "sum")
         group.backend.wait(work, group, "reduce_scatter fallback", 0)
-        return total[_pg_index(group)]
+        out.copy_(total[_pg_index(group)])
+        return out
 
-    del k
     return _issue(group, "reduce_scatter", x, direct, fallback)
 
 

@@ -58,6 +58,8 @@ def train_step(
     """
     if use_func:
         grad_and_value = torch.func.grad_and_value(step, has_aux=has_aux)
+    elif hasattr(step, "grad_and_value"):  # an sf.shard step: overlapped gradient reductions
+        grad_and_value = step.grad_and_value
     else:
         grad_and_value = _autograd_grad_and_value(step, has_aux)
 
