@@ -350,3 +350,36 @@ def test_grad_and_value_fast_path_equals_torch_func(kwargs):
             loss(fast_value) == loss(ref_value)
 
     assert mesh.run(body) == [(0.0, True, True)] * 2
+
+
+@pytest.mark.multiprocess
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(1, 6), min_size=2, max_size=3), world=st.sampled_from([2, 3]),
+       seed=st.integers(0, 999))
+def test_shard_adamw_equals_ddp_torch_adamw(sizes, world, seed):
+    """shard + sf.optim.adamw on N processes == DistributedDataParallel + torch.optim.AdamW:
+    losses every step and parameters after 10 steps (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    params = mlp_params(g, sizes, dtype=D)
+    batches = _batches(g, 10, 2 * world, sizes[0], sizes[-1])
+
+    def body(mesh):
+        ddp_losses, ddp_history = ddp_training(
+            mlp_loss, params, batches, optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1))
+        step = sf.shard(mlp_loss, mesh)
+        opt = sf.optim.adamw(0.05, weight_decay=0.1)
+        train = sf.train_step(step, opt)
+        shards = step.shard_params(params)
+        state = opt.init(shards)
+        losses = []
+        for batch in batches:
+            shards, state, loss = train(shards, state, local_batch(batch, mesh.rank, mesh.size))
+            losses.append(float(loss))
+        full = step.unshard_params(shards)
+        diff = max((a - b).abs().max().item() for a, b in zip(torch.utils._pytree.tree_leaves(full),
+                                                              torch.utils._pytree.tree_leaves(ddp_history[-1])))
+        return losses, ddp_losses, diff
+
+    for losses, ddp_losses, diff in run_on_mesh(body, {"data": world}, "distributed", timeout=60):
+        assert losses == pytest.approx(ddp_losses, abs=1e-10)
+        assert diff < 1e-10

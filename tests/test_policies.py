@@ -252,3 +252,31 @@ def test_frozen_params_get_no_gradient_and_no_reduce_scatter(reshard, prefetch):
         trainable = 2 * (2 * 6 + 3) * 8 + 2 * (3 * 3 + 2) * 8
         assert stats["reduce_scatter_bytes"] == trainable
         assert stats["all_gather_bytes"] == (2 if reshard else 1) * (trainable + frozen_bytes)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from([{"data": 1}, {"data": 2}, {"data": 3}, {"replica": 2, "shard": 2},
+                              {"replica": 2, "shard": 1}, {"replica": 1, "shard": 3}]),
+       micro=st.integers(1, 3), mode=st.sampled_from(["reduce_each", "reduce_once"]),
+       dtype=st.sampled_from([None, torch.bfloat16]), seed=st.integers(0, 999))
+def test_policies_over_mesh_shapes_property(shape, micro, mode, dtype, seed):
+    """1-D FSDP and 2-D HSDP meshes x accumulation modes x precision policies == DP."""
+    world = 1
+    for size in shape.values():
+        world *= size
+    params, batch = _data(seed, [3, 5, 2], 2 * micro * world, dtype=torch.float32)
+    ref = torch.func.grad(lambda p: sum(mlp_loss(p, local_batch(batch, r, world)) for r in range(world)) / world)(params)
+    mesh = sf.local_mesh(shape)
+    axes = dict(data_axes=("replica", "shard"), shard_axes="shard") if "shard" in shape else {}
+    mp = sf.MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else None
+    step = sf.shard(mlp_loss, mesh, mixed_precision=mp, **axes)
+
+    def body():
+        shards = step.shard_params(params)
+        x, y = local_batch(batch, mesh.rank, world)
+        _, grads = step.accumulate(shards, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 2 * micro, 2)], mode=mode)
+        return step.unshard_params(grads)
+
+    tol = 1e-5 if dtype is None else 5e-2
+    for full in mesh.run(body):
+        assert _max_diff(full, ref) < tol

@@ -87,17 +87,18 @@ class ParamsModule(nn.Module):
         return self._loss_fn(self.tree(), batch)
 
 
-def ddp_training(loss_fn, params, batches, *, lr: float = 0.1):
-    """On each rank of an initialized default process group: DDP + torch.optim.SGD on this
-    rank's chunk of each global batch. Returns (losses, params per step), losses being the
-    mean over ranks (as DDP's gradients are)."""
+def ddp_training(loss_fn, params, batches, *, lr: float = 0.1, optimizer=None):
+    """On each rank of an initialized default process group: DDP + a torch.optim optimizer
+    (`optimizer(parameters)`, default SGD(lr)) on this rank's chunk of each global batch.
+    Returns (losses, params per step), losses being the mean over ranks (as DDP's
+    gradients are)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     world, rank = dist.get_world_size(), dist.get_rank()
     module = ParamsModule(params, loss_fn)
     model = DDP(module)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = optimizer(model.parameters()) if optimizer is not None else torch.optim.SGD(model.parameters(), lr=lr)
     losses, history = [], []
     for batch in batches:
         opt.zero_grad()
