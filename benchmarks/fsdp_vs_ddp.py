@@ -93,6 +93,11 @@ def method_fsdp2(name, mesh, batch, tiny):
     for block in blocks:
         fully_shard(block)
     fully_shard(model)
+    return _torch_method(model, batch)
+
+
+def _torch_method(model, batch):
+    """One step of a torch-wrapped model (FSDP2 or DDP) with AdamW(foreach); mean loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=True)
 
     def one():
@@ -110,19 +115,7 @@ def method_fsdp2(name, mesh, batch, tiny):
 def method_ddp(name, mesh, batch, tiny):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(build_model(name, tiny))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=True)
-
-    def one():
-        opt.zero_grad(set_to_none=True)
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        return float(mean) / torch.distributed.get_world_size()
-
-    return one, lambda: _torch_opt_bytes(model, opt), None
+    return _torch_method(DDP(build_model(name, tiny)), batch)
 
 
 METHODS = {"shardfn": method_shardfn, "fsdp2": method_fsdp2, "ddp": method_ddp}
