@@ -14,6 +14,7 @@ those of an uninterrupted run; `--out` writes them (rank 0) for comparison.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import signal
 import sys
@@ -42,8 +43,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
-    mesh = sf.init_mesh({"data": int(os.environ.get("WORLD_SIZE", "1"))}, timeout=60)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
+        # One key space per attempt in torchrun's store: a restarted job must not find the
+        # gloo addresses its dead predecessor published (seen on torch 2.13 with --standalone).
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"shardfn-elastic/{attempt}", store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=datetime.timedelta(seconds=60))
+    mesh = sf.init_mesh({"data": int(os.environ.get("WORLD_SIZE", "1"))}, timeout=60)
     step = sf.shard(mlp_loss, mesh)
     opt = sf.optim.adamw(1e-2)
     train = sf.train_step(step, opt)
