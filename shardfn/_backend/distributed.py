@@ -61,6 +61,7 @@ class DistributedBackend(BackendBase):
                 f"(e.g. {{'data': {world}}}), or launch {self.size} processes."
             )
         self._rank = dist.get_rank()
+        self._timeouts = 0  # timeout events seen by this rank (see _missing_ranks)
         self.backend_name = dist.get_backend()
         if device is None:
             if self.backend_name == "nccl":
@@ -124,14 +125,16 @@ class DistributedBackend(BackendBase):
         try:
             store = dist.distributed_c10d._get_default_store()
             me = self.rank()
-            store.set(f"shardfn/stuck/{me}", self._last_op.get(me, "?"))
+            self._timeouts += 1  # keys are per timeout event, so a later report never reads a stale one
+            prefix = f"shardfn/stuck/{self._timeouts}"
+            store.set(f"{prefix}/{me}", self._last_op.get(me, "?"))
             peers = [r for r in group.ranks if r != me]
             reports: dict[int, str] = {}
             deadline = time.monotonic() + _REPORT_WINDOW_S
             while len(reports) < len(peers) and time.monotonic() < deadline:
                 for r in peers:
-                    if r not in reports and store.check([f"shardfn/stuck/{r}"]):
-                        reports[r] = store.get(f"shardfn/stuck/{r}").decode()
+                    if r not in reports and store.check([f"{prefix}/{r}"]):
+                        reports[r] = store.get(f"{prefix}/{r}").decode()
                 time.sleep(0.05)
         except Exception as err:  # noqa: BLE001 - the report is a courtesy
             return f"(could not ask the other ranks where they are: {err!r})"
