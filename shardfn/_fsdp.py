@@ -22,6 +22,7 @@ from ._errors import ShardingError, SpecError
 from ._fsdp_plan import Plan, build_plan, copy_out, leaf_views, pack_shards
 from ._fsdp_runtime import GatherUnit, LossMean, RankState
 from ._agree import check_same_everywhere
+from ._autograd import eager_grad_and_value
 from ._lazy import make_view
 from ._spec import PartitionSpec, chunk_bounds
 
@@ -159,23 +160,15 @@ class Shard:
         reduce-scatter overlapping the backward of the units before it and waited once at
         the end: the fast path that `sf.train_step` takes. Leaves without a gradient get zeros.
         """
-        leaves, treedef = _tree.flatten(shards)
-        inputs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
         state = self._state(self._plan_for(shards))
         state.defer = True
         try:
-            with torch.enable_grad():
-                out = self(_tree.unflatten(treedef, inputs), batch, *rest)
-                loss = out[0] if self.config.has_aux else out
-                wanted = [x for x in inputs if x.requires_grad]
-                found = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+            grads, out = eager_grad_and_value(self, shards, batch, *rest, has_aux=self.config.has_aux)
         finally:
             state.defer = False
             state.finish_deferred()
-        grads = [(next(found) if x.requires_grad else None) for x in inputs]
-        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
-        value = (loss.detach(), out[1]) if self.config.has_aux else loss.detach()
-        return _tree.unflatten(treedef, grads), value
+        value = (out[0].detach(), out[1]) if self.config.has_aux else out.detach()
+        return grads, value
 
     # -- gradient accumulation ------------------------------------------------------------
     def accumulate(self, shards, micro_batches, *rest, mode: str = "reduce_each"):

@@ -160,24 +160,27 @@ class UnitRuntime:
             if rs.can_defer(plan, reduce_dtype, lead):  # [Note: deferred reductions]
                 flat = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
                 rs.deferred.append(ops.reduce_scatter_async(rs.shard_group, packed, out=flat))
-                out.extend(unpack_shard_grads(plan, flat, rs.shard_index, lead))
-                if plan.replicated:
-                    out.extend(self._all_reduce_replicated(repl_grads, lead))
-                return out
-            flat = ops.reduce_scatter_async(rs.shard_group, packed).wait()  # (*lead, S)
-            if rs.replica_group is not None:
-                rs.stats.collective("all_reduce", flat.numel() * flat.element_size())
-                flat = ops.all_reduce(rs.replica_group, flat)
-            if rs.config.check_finite:
-                rs.check_finite(flat, f"the gradient of {plan.name()}")
-            for layout, g in zip(plan.sharded, unpack_shard_grads(plan, flat, rs.shard_index, lead)):
-                out.append(g.to(layout.dtype))
+                out.extend(unpack_shard_grads(plan, flat, rs.shard_index, lead))  # filled by the wait
+            else:
+                out.extend(self._reduce_now(packed, lead))
         if plan.replicated:
             if self.acc_replicated is not None:
                 repl_grads = [_add(a, b) for a, b in zip(repl_grads, self.acc_replicated)]
                 self.acc_replicated = None
             out.extend(self._all_reduce_replicated(repl_grads, lead))
         return out
+
+    def _reduce_now(self, packed: torch.Tensor, lead) -> list[torch.Tensor]:
+        """Reduce-scatter (k, *lead, S), all-reduce over replicas, check, unpack and cast."""
+        rs, plan = self.rs, self.plan
+        flat = ops.reduce_scatter_async(rs.shard_group, packed).wait()  # (*lead, S)
+        if rs.replica_group is not None:
+            rs.stats.collective("all_reduce", flat.numel() * flat.element_size())
+            flat = ops.all_reduce(rs.replica_group, flat)
+        if rs.config.check_finite:
+            rs.check_finite(flat, f"the gradient of {plan.name()}")
+        shard_grads = unpack_shard_grads(plan, flat, rs.shard_index, lead)
+        return [g.to(layout.dtype) for layout, g in zip(plan.sharded, shard_grads)]
 
     def _hold_gradients(self, sharded_grads, repl_grads, lead) -> list[torch.Tensor]:
         """Accumulation without communication: add the unsharded grads to a local buffer and

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 
+from .._autograd import eager_grad_and_value
 from .base import GradientTransformation, apply_updates
 
 
@@ -61,7 +63,7 @@ def train_step(
     elif hasattr(step, "grad_and_value"):  # an sf.shard step: overlapped gradient reductions
         grad_and_value = step.grad_and_value
     else:
-        grad_and_value = _autograd_grad_and_value(step, has_aux)
+        grad_and_value = functools.partial(eager_grad_and_value, step, has_aux=has_aux)
 
     def train(shards, opt_state, batch):
         grads, value = grad_and_value(shards, batch)
@@ -75,22 +77,3 @@ def train_step(
 
     return train
 
-
-def _autograd_grad_and_value(step, has_aux: bool):
-    """`grad_and_value` on eager autograd: differentiate w.r.t. detached copies of the
-    leaves (same storage, so in-place updates reach the caller's tensors)."""
-    from .._tree import flatten, unflatten
-
-    def grad_and_value(shards, batch):
-        leaves, treedef = flatten(shards)
-        inputs = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
-        with torch.enable_grad():
-            value = step(unflatten(treedef, inputs), batch)
-            loss = value[0] if has_aux else value
-            wanted = [x for x in inputs if x.requires_grad]
-            grads = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
-        out = [(next(grads) if x.requires_grad else None) for x in inputs]
-        out = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, out)]
-        return unflatten(treedef, out), value
-
-    return grad_and_value
