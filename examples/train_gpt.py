@@ -7,6 +7,7 @@ shards that tree over the mesh, and `sf.optim.adamw` updates this rank's shards 
 
     python examples/train_gpt.py                      # 4 ranks as threads of this process
     python examples/train_gpt.py --mesh hsdp --bf16   # {'replica': 2, 'shard': 2}, bf16 compute
+    python examples/train_gpt.py --mesh fsdp_tp       # {'data': 2, 'model': 2}: FSDP x Megatron TP
     python examples/train_gpt.py --tiny --steps 20    # a smoke test in a few seconds
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py   # same program, 4 processes
 
@@ -38,7 +39,7 @@ class Config:
     n_head: int = 4
     n_embd: int = 64  # C
     block_size: int = 64  # T: characters of context
-    batch_size: int = 8  # B: sequences per rank per step (global batch = B * ranks)
+    batch_size: int = 8  # B: sequences per data rank per step (global batch = B * data ranks)
     steps: int = 200
     lr: float = 3e-3  # peak; linear warmup, then cosine decay to lr / 10
     warmup: int = 20
@@ -130,6 +131,63 @@ def init_params(params, seed: int):
     return optree.tree_unflatten(treedef, out)
 
 
+# -- tensor parallelism (--mesh fsdp_tp) -------------------------------------------------
+#
+# Megatron's split of each block over the 'model' axis (Shoeybi et al., 2019): the
+# attention heads and the MLP's hidden units are divided between the 'model' ranks, so
+# each block needs one psum over 'model' after attention and one after the MLP. The
+# same parameters as the module's, with c_attn viewed as (3, C_out, C_in) so that
+# splitting dim 1 gives every rank its heads of q, k and v. `sf.shard(...,
+# param_specs=TP_SPECS)` gives loss_fn this rank's blocks and FSDP-shards them over
+# 'data'; the gradients follow shard_map's transpose rule (see docs/howto/fsdp-tp.md).
+
+
+def tp_spec(path) -> sf.P:
+    """How a parameter of the tree `to_tp` makes is split over 'model' (None: replicated)."""
+    if path[0] != "h":
+        return None  # embeddings, final LayerNorm: replicated over 'model'
+    if path[2] == "c_attn":  # column-parallel (3, C, C) / (3, C): this rank's heads
+        return sf.P(None, "model")
+    if path[2] == "c_proj" and path[3] == "weight":  # row-parallel (C_out, C_in): its inputs
+        return sf.P(None, "model")
+    if path[2] == "mlp" and path[3] == 0:  # column-parallel (4C, C) and (4C,)
+        return sf.P("model")
+    if path[2] == "mlp" and path[4] == "weight":  # row-parallel (C, 4C)
+        return sf.P(None, "model")
+    return None  # LayerNorms and the biases added after a psum
+
+
+def to_tp(params, cfg: Config):
+    """The module's tree with c_attn's weight (3C, C) -> (3, C, C) and bias (3C,) -> (3, C)."""
+    return optree.tree_map_with_path(
+        lambda path, p: p.reshape(3, cfg.n_embd, *p.shape[1:]) if "c_attn" in path else p, params)
+
+
+def from_tp(params, cfg: Config):
+    return optree.tree_map_with_path(
+        lambda path, p: p.reshape(3 * cfg.n_embd, *p.shape[2:]) if "c_attn" in path else p, params)
+
+
+def tp_forward(params, idx, cfg: Config):
+    """GPT.forward on this rank's blocks of the `to_tp` tree; logits on every 'model' rank."""
+    B, T = idx.shape
+    C, hs = cfg.n_embd, cfg.n_embd // cfg.n_head
+    x = params["wte"]["weight"][idx] + params["wpe"]["weight"][:T]  # (B, T, C)
+    for blk in params["h"]:
+        h = F.layer_norm(x, (C,), blk["ln_1"]["weight"], blk["ln_1"]["bias"])
+        w, b = blk["c_attn"]["weight"], blk["c_attn"]["bias"]  # (3, C / model, C), (3, C / model)
+        q, k, v = torch.einsum("btc,koc->kbto", h, w) + b[:, None, None, :]  # each (B, T, C / model)
+        nh = q.shape[-1] // hs  # this rank's heads
+        q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, nh * hs)
+        x = x + sf.psum(y @ blk["c_proj"]["weight"].T, "model") + blk["c_proj"]["bias"]  # row-parallel
+        h = F.layer_norm(x, (C,), blk["ln_2"]["weight"], blk["ln_2"]["bias"])
+        a = F.gelu(h @ blk["mlp"][0]["weight"].T + blk["mlp"][0]["bias"])  # (B, T, 4C / model)
+        x = x + sf.psum(a @ blk["mlp"][2]["weight"].T, "model") + blk["mlp"][2]["bias"]
+    x = F.layer_norm(x, (C,), params["ln_f"]["weight"], params["ln_f"]["bias"])
+    return x @ params["wte"]["weight"].T  # the tied head: (B, T, vocab)
+
+
 # -- training: the per-rank program ---------------------------------------------------
 
 
@@ -167,22 +225,25 @@ class Progress:
 def train(mesh, cfg: Config, args, apply_fn, params, data):
     """Run on every rank. Returns (losses, full params, per-rank memory table)."""
     torch.set_num_threads(1)  # the ranks are the parallelism; keep runs reproducible
-    data_axes = mesh.axis_names  # every mesh axis splits the batch (FSDP and HSDP alike)
+    tp = args.mesh == "fsdp_tp"
+    data_axes = tuple(a for a in mesh.axis_names if a != "model")  # the axes that split the batch
     shard_axes = "shard" if args.mesh == "hsdp" else "data"
+    forward = (lambda p, x: tp_forward(p, x, cfg)) if tp else apply_fn
 
     def loss_fn(params, batch):
         x, y = batch  # (B, T), (B, T)
-        logits = apply_fn(params, x)  # (B, T, vocab)
+        logits = forward(params, x)  # (B, T, vocab)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
     mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
-    step = sf.shard(loss_fn, mesh, data_axes=data_axes, shard_axes=shard_axes, mixed_precision=mp)
-    shards = step.shard_params(params)  # fp32 master weights: this rank's dim-0 chunk of each leaf
+    step = sf.shard(loss_fn, mesh, data_axes=data_axes, shard_axes=shard_axes, mixed_precision=mp,
+                    param_specs=tp_spec if tp else None)
+    shards = step.shard_params(to_tp(params, cfg) if tp else params)  # fp32 master weights: this rank's chunks
     warmup = min(cfg.warmup, cfg.steps // 5)  # short runs (smoke tests) get a short warmup
     schedule = sf.optim.warmup_cosine_decay_schedule(cfg.lr / 10, cfg.lr, warmup, cfg.steps, cfg.lr / 10)
     decay_matrices = lambda tree: optree.tree_map(lambda p: p.dim() >= 2, tree)  # noqa: E731
     opt = sf.optim.chain(
-        sf.optim.clip_by_global_norm(cfg.grad_clip, mesh=mesh, axes=shard_axes, specs=step.specs),
+        sf.optim.clip_by_global_norm(cfg.grad_clip, mesh=mesh, specs=step.specs),  # each block counted once
         sf.optim.adamw(schedule, b2=0.99, weight_decay=cfg.weight_decay, mask=decay_matrices),
     )
     opt_state = opt.init(shards)  # AdamW moments shaped like the shards: sharded too
@@ -194,9 +255,10 @@ def train(mesh, cfg: Config, args, apply_fn, params, data):
     rank0 = mesh.rank == 0
     progress = Progress(cfg.steps, start, enabled=rank0 and not args.quiet)
     static_bytes = 2 * tree_bytes(shards) + tree_bytes(opt_state)  # shards + their grads + AdamW state
-    tokens = cfg.batch_size * cfg.block_size * mesh.size
+    data_rank, data_size = step_data_rank(mesh, data_axes)  # 'model' ranks share their data rank's batch
+    tokens = cfg.batch_size * cfg.block_size * data_size
     for it in range(start, cfg.steps):
-        batch = get_batch(data, cfg, args.seed, it, mesh.rank)
+        batch = get_batch(data, cfg, args.seed, it, data_rank)
         t0 = time.perf_counter()
         shards, opt_state, loss = train_step(shards, opt_state, batch)
         dt = time.perf_counter() - t0
@@ -213,7 +275,16 @@ def train(mesh, cfg: Config, args, apply_fn, params, data):
     table = torch.zeros(mesh.size, len(row), dtype=torch.float64)
     table[mesh.rank] = torch.tensor(row, dtype=torch.float64)
     mesh.all_reduce(table, None)  # every rank's row, on every rank
-    return losses, step.unshard_params(shards), table.long().tolist()
+    full = step.unshard_params(shards)
+    return losses, from_tp(full, cfg) if tp else full, table.long().tolist()
+
+
+def step_data_rank(mesh, data_axes) -> tuple[int, int]:
+    """(this rank's index over the data axes, their size): which batch it reads."""
+    index, size = 0, 1
+    for axis in data_axes:
+        index, size = index * mesh.shape[axis] + mesh.coords[axis], size * mesh.shape[axis]
+    return index, size
 
 
 # -- checkpoints (sf.checkpoint) ------------------------------------------------------
@@ -292,7 +363,11 @@ def report(cfg, args, mesh, losses, params, table, apply_fn, seconds):
     for rank, row in enumerate(table):
         print(f"  rank {rank}: " + " | ".join(mb(b) for b in row))
     total = sum(p.numel() * 4 for p in optree.tree_leaves(params))
-    print(f"  (the unsharded fp32 model is {total / 1e6:.3f} MB; ZeRO-3: shards ~ 1/{mesh.size} of it each)")
+    if args.mesh == "fsdp_tp":
+        print(f"  (the unsharded fp32 model is {total / 1e6:.3f} MB; shards: 1/{mesh.size} of the leaves split over "
+              f"'model', 1/{mesh.shape['data']} of those replicated over it)")
+    else:
+        print(f"  (the unsharded fp32 model is {total / 1e6:.3f} MB; ZeRO-3: shards ~ 1/{mesh.size} of it each)")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "train_gpt_losses.json"), "w") as f:
         json.dump({"losses": losses, "mesh": mesh.shape, "kind": mesh.kind, "seed": args.seed}, f)
@@ -320,30 +395,30 @@ def main():
     cfg = Config(**(TINY if args.tiny else {}))
     cfg.steps = args.steps if args.steps is not None else cfg.steps
     cfg.ckpt_every = args.ckpt_every or cfg.ckpt_every
-    if args.mesh == "fsdp_tp":
-        raise SystemExit(
-            "--mesh fsdp_tp is not supported yet: sf.shard applies psum's transpose rule only over its data "
-            "axes, so a psum over 'model' inside loss_fn would scale tensor-parallel gradients by the 'model' "
-            "size. See examples/tensor_parallel.py for tensor parallelism with sf.shard_map.")
     if args.resume and not args.ckpt_dir:
         parser.error("--resume needs --ckpt-dir")
     world = int(os.environ.get("WORLD_SIZE", args.ranks))
-    if args.mesh == "hsdp" and (world < 2 or world % 2):
-        parser.error(f"--mesh hsdp needs an even number of ranks ({{'replica': n / 2, 'shard': 2}}), got {world}")
+    if args.mesh != "fsdp" and (world < 2 or world % 2):
+        two = "{'replica': n / 2, 'shard': 2}" if args.mesh == "hsdp" else "{'data': n / 2, 'model': 2}"
+        parser.error(f"--mesh {args.mesh} needs an even number of ranks ({two}), got {world}")
+    if args.mesh == "fsdp_tp" and cfg.n_head % 2:
+        parser.error(f"--mesh fsdp_tp splits the {cfg.n_head} heads over 2 'model' ranks: use an even n_head")
 
     torch.set_num_threads(1)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launched by torchrun
-    shape = {"data": world} if args.mesh == "fsdp" else {"replica": world // 2, "shard": 2}
+    shape = {"fsdp": {"data": world}, "hsdp": {"replica": world // 2, "shard": 2},
+             "fsdp_tp": {"data": world // 2, "model": 2}}[args.mesh]
     mesh = sf.init_mesh(shape, timeout=120) if distributed else sf.local_mesh(shape, timeout=120)
 
     data = load_text(cfg.text_chars)
     model = GPT(cfg, len(VOCAB))
     apply_fn, params = sf.functional(model)
     params = init_params(params, args.seed)
+    data_ranks = world // 2 if args.mesh == "fsdp_tp" else world  # the 'model' ranks share a batch
     if not distributed or mesh.rank == 0:
         n = sum(p.numel() for p in optree.tree_leaves(params))
         print(f"{mesh}: {args.mesh}{' bf16' if args.bf16 else ''}, {n:,} parameters, {len(data):,} characters "
-              f"of stdlib source, global batch {cfg.batch_size * world} x {cfg.block_size}")
+              f"of stdlib source, global batch {cfg.batch_size * data_ranks} x {cfg.block_size}")
 
     t0 = time.perf_counter()
     results = mesh.run(train, mesh, cfg, args, apply_fn, params, data)  # simulated: one result per rank

@@ -17,7 +17,7 @@ _shard_map.py for the two boundary halves that make that correct.
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -47,20 +47,25 @@ _state = threading.local()
 
 
 class binding:
-    """Bind `mesh` for the collectives called in this thread (used by shard_map / shard)."""
+    """Bind `mesh` for the collectives called in this thread (used by shard_map / shard).
 
-    def __init__(self, mesh):
+    `check(op, axes)`, when given, vets the axes of every communicating collective (shard
+    refuses axes it would not reduce gradients over)."""
+
+    def __init__(self, mesh, check: Callable[[str, tuple[str, ...]], None] | None = None):
         self.mesh = mesh
+        self.check = check
 
     def __enter__(self):
-        stack = getattr(_state, "stack", None)
-        if stack is None:
-            stack = _state.stack = []
-        stack.append(self.mesh)
+        if getattr(_state, "stack", None) is None:
+            _state.stack, _state.checks = [], []
+        _state.stack.append(self.mesh)
+        _state.checks.append(self.check)
         return self.mesh
 
     def __exit__(self, *exc):
         _state.stack.pop()
+        _state.checks.pop()
 
 
 def bound_mesh(op: str | None = None, axis=None):
@@ -79,7 +84,11 @@ def bound_mesh(op: str | None = None, axis=None):
 
 def _group(op: str, axis) -> Group:
     mesh = bound_mesh(op, axis)
-    return mesh.group(mesh.axes(axis, where=f"{op}(axis={axis!r})"))
+    axes = mesh.axes(axis, where=f"{op}(axis={axis!r})")
+    check = _state.checks[-1]
+    if check is not None and op != "axis_index":
+        check(op, axes)
+    return mesh.group(axes)
 
 
 def _front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:

@@ -24,9 +24,24 @@ from ._fsdp_runtime import GatherUnit, LossMean, RankState
 from ._agree import check_same_everywhere
 from ._autograd import eager_grad_and_value
 from ._lazy import make_view
-from ._spec import PartitionSpec, chunk_bounds
+from ._shard_map import _gather_blocks, _slice_block
+from ._spec import PartitionSpec, block_index, chunk_bounds, entry_axes, validate_spec
 
 __all__ = ["shard", "Shard", "MixedPrecision"]
+
+# [Note: FSDP x TP] `shard` is shard_map over the whole mesh with the params sharded and
+# the loss replicated, so it follows shard_map's transpose rule (_shard_map.py, JEP 17111):
+#   (1) the loss's out spec is P(): its cotangent is divided by the size of every mesh
+#       axis: 1/|data axes| (the mean) and 1/|other axes| (LossMean.backward);
+#   (2) a parameter's cotangent is psummed over every axis its spec omits: over the shard
+#       axes by the reduce-scatter, over the other data axes by HSDP's all-reduce, and
+#       over the tensor-parallel axes that `param_specs` does not name by an all-reduce of
+#       that leaf's range of the reduce-scattered (1/N-sized) buffer (UnitPlan.regions).
+# Inside loss_fn the collectives over the tensor-parallel axes use psum's transpose =
+# psum, which together with (1) and (2) gives the exact gradient: a weight split over
+# 'model' gets the contributions of all ranks through the collectives' backward, and a
+# weight replicated over 'model' (a LayerNorm) gets 1/|model| of its gradient on each
+# 'model' rank, summed by (2). Without tensor-parallel axes both are no-ops.
 
 
 class MixedPrecision(NamedTuple):
@@ -52,6 +67,7 @@ class _Config:
     replicated: Callable[[tuple], bool] | None
     frozen: Callable[[tuple], bool] | None
     check_finite: bool
+    param_specs: Any = None  # spec tree (prefix of params) or `path -> spec`, over non-data axes
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -74,6 +90,7 @@ class Shard:
         self._lock = threading.Lock()
         self._last_plan: Plan | None = None
         self._states: dict[tuple[int, int], RankState] = {}
+        self._model_specs_of: dict[Any, list[PartitionSpec]] = {}  # treedef -> per-leaf param_specs
         self.__wrapped__ = loss_fn
 
     # -- params <-> shards ----------------------------------------------------------------
@@ -87,24 +104,117 @@ class Shard:
         mesh = self.mesh
         paths, leaves, treedef = _tree.flatten_with_paths(params)
         self._check_same_everywhere(paths, leaves)
-        signature = (treedef, tuple((tuple(getattr(x, 'shape', ())), getattr(x, 'dtype', type(x))) for x in leaves))
+        model_specs = self._model_specs(params, paths, leaves)
+        # With tensor parallelism the shard group splits this rank's tensor-parallel block.
+        blocks = [_slice_block(x, s, mesh) if isinstance(x, torch.Tensor) and s.axes else x
+                  for x, s in zip(leaves, model_specs)]
+        signature = (treedef, tuple((tuple(getattr(x, 'shape', ())), getattr(x, 'dtype', type(x))) for x in blocks))
         with self._lock:  # rank threads share one plan per signature (and so its RankStates)
             plan = self._by_signature.get(signature)
             if plan is None:
-                plan = build_plan(params, mesh.axis_size(self.config.shard_axes), self.config.units,
-                                  self.config.replicated, self.config.frozen)
+                tp_axes = tuple(a for a in mesh.axis_names if any(a in s.axes for s in model_specs))
+                plan = build_plan(_tree.unflatten(treedef, blocks), mesh.axis_size(self.config.shard_axes),
+                                  self.config.units, self.config.replicated, self.config.frozen,
+                                  [self._reduce_axes(s, tp_axes) for s in model_specs])
+                plan.tp_axes = tp_axes
                 self._by_signature[signature] = plan
-            self._plans[treedef] = plan
+            self._plans[(self._rank(), treedef)] = plan
             self._last_plan = plan
+            self._model_specs_of[treedef] = model_specs
+        self._check_nested_chunks(plan, leaves, model_specs)
         index = mesh.group(self.config.shard_axes).index
         shards = []
-        for layout, leaf in zip(plan.leaves, leaves):
+        for layout, leaf in zip(plan.leaves, blocks):
             leaf = leaf.detach().to(mesh.device)
             if layout.sharded:
                 start, stop = chunk_bounds(layout.rows, plan.k, index)
                 leaf = leaf[start:stop]
             shards.append(leaf.clone())
         return _tree.unflatten(treedef, shards)
+
+    # -- tensor parallelism: [Note: FSDP x TP] -------------------------------------------
+    def _rank(self) -> int:
+        return self.mesh.rank if self.mesh.in_rank() else -1
+
+    def _model_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.mesh.axis_names if a not in self.config.data_axes)
+
+    def _reduce_axes(self, spec: PartitionSpec, tp_axes: tuple[str, ...]) -> tuple[str, ...]:
+        """Tensor-parallel axes (of size > 1) a leaf with spec `spec` is replicated over."""
+        named = set(spec.axes)
+        return tuple(a for a in tp_axes if a not in named and self.mesh.shape[a] > 1)
+
+    def _check_collective_axes(self, plan: Plan):
+        """Inside loss_fn, collectives may run over data axes and tensor-parallel axes; over
+        any other axis shard would not reduce the gradients, so they would be wrong."""
+        allowed = set(self.config.data_axes) | set(plan.tp_axes)
+
+        def check(op: str, axes: tuple[str, ...]) -> None:
+            stray = [a for a in axes if a not in allowed]
+            if stray:
+                raise ShardingError(
+                    f"shard: {op} over {stray} inside loss_fn, but {stray} are neither data axes "
+                    f"{list(self.config.data_axes)} nor tensor-parallel axes of this step (axes that "
+                    f"param_specs names: {list(plan.tp_axes)}), so shard would not reduce gradients over "
+                    f"them and they would be wrong.\nFix: pass param_specs that split some parameters over "
+                    f"{stray} (e.g. P(None, {stray[0]!r}) for a column-parallel weight), or add {stray} to "
+                    f"data_axes if they split the batch."
+                )
+
+        return check
+
+    def _model_specs(self, params, paths, leaves) -> list[PartitionSpec]:
+        """Per leaf, its spec over the non-data axes (`param_specs`; P() without it), checked."""
+        given = self.config.param_specs
+        if given is None:
+            return [PartitionSpec()] * len(leaves)
+        if callable(given) and not isinstance(given, PartitionSpec):
+            specs = [given(path) for path in paths]
+        else:
+            specs = _tree.broadcast_prefix(given, params, what="param_specs",
+                                           is_prefix_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
+        data = self.config.data_axes
+        out = []
+        for path, leaf, spec in zip(paths, leaves, specs):
+            where = f"shard(param_specs) for params{_tree.keystr(path)}"
+            spec = PartitionSpec() if spec is None else spec
+            shape = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else ()
+            validate_spec(spec, shape, self.mesh.shape, where)
+            clash = [a for a in spec.axes if a in data]
+            if clash:
+                raise SpecError(
+                    f"{where}: the spec {spec!r} names data axes {clash}; param_specs lay parameters out over "
+                    f"the other (tensor-parallel) axes {list(self._model_axes())}, and shard itself shards "
+                    f"them over {list(self.config.shard_axes)}.\nFix: drop {clash} from the spec."
+                )
+            if spec.axes and not isinstance(leaf, torch.Tensor):
+                raise SpecError(f"{where}: a {type(leaf).__name__} cannot be split over {spec.axes}; give it P()")
+            out.append(spec)
+        return out
+
+    def _check_nested_chunks(self, plan: Plan, leaves, model_specs) -> None:
+        """Where param_specs and shard both split dim 0, the shard group's chunks of each
+        tensor-parallel block must be the torch.chunk blocks of the combined spec (what
+        `specs` reports and checkpoints use): true when dim 0 splits evenly."""
+        k = plan.k
+        for layout, leaf, spec in zip(plan.leaves, leaves, model_specs):
+            if not (layout.sharded and spec and entry_axes(spec[0])):
+                continue
+            n = leaf.shape[0]
+            _, m = block_index(spec[0], self.mesh.coords, self.mesh.shape)
+            for i in range(m):
+                start, stop = chunk_bounds(n, m, i)
+                for j in range(k):
+                    a, b = chunk_bounds(stop - start, k, j)
+                    if (start + a, start + b) != chunk_bounds(n, m * k, i * k + j):
+                        raise SpecError(
+                            f"shard: params{_tree.keystr(layout.path)} (shape {tuple(leaf.shape)}) has dim 0 "
+                            f"split {m} ways over {entry_axes(spec[0])} by param_specs and then {k} ways over "
+                            f"{self.config.shard_axes} by shard; {n} rows do not split into {m * k} torch.chunk "
+                            f"blocks that way, so the shards would not have the layout step.specs promises.\n"
+                            f"Fix: make dim 0 a multiple of {m * k}, split another dim over the tensor-parallel "
+                            f"axes, or keep the leaf whole with replicated=."
+                        )
 
     def _check_same_everywhere(self, paths, leaves) -> None:
         lines = [f"params{_tree.keystr(p)}: {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else
@@ -132,17 +242,29 @@ class Shard:
                 copy_out(unit, gathered, full)
                 for layout, view in zip(unit.sharded, leaf_views(unit, full)):
                     full_leaves[layout.index] = view.clone()
-        return _tree.unflatten(treedef, [_plain(x) for x in full_leaves])
+            full_leaves = [_plain(x) for x in full_leaves]
+            for i, spec in enumerate(self._model_specs_of.get(treedef, ())):
+                if spec.axes:  # the tensor-parallel blocks -> the global leaf
+                    full_leaves[i] = _gather_blocks(full_leaves[i], spec, self.mesh)
+        return _tree.unflatten(treedef, full_leaves)
 
     @property
     def specs(self):
         """The spec tree of the shards (dim 0 over the shard axes; P() for whole leaves)."""
         if self._last_plan is None:
             raise ShardingError("step.specs: call step.shard_params(params) first; the specs describe its shards")
-        axes = self.config.shard_axes
-        entry = axes[0] if len(axes) == 1 else axes
         plan = self._last_plan
-        return _tree.unflatten(plan.treedef, [PartitionSpec(entry) if l.sharded else PartitionSpec() for l in plan.leaves])
+        model_specs = self._model_specs_of.get(plan.treedef) or [PartitionSpec()] * len(plan.leaves)
+        return _tree.unflatten(plan.treedef, [self._combined_spec(l.sharded, m) for l, m in zip(plan.leaves, model_specs)])
+
+    def _combined_spec(self, sharded: bool, model: PartitionSpec) -> PartitionSpec:
+        """A leaf's spec: its tensor-parallel spec, with dim 0 also split over the shard axes
+        (minor to the tensor-parallel axes of dim 0) when shard shards it."""
+        if not sharded:
+            return model
+        axes = entry_axes(model[0] if model else None) + self.config.shard_axes
+        entry = axes[0] if len(axes) == 1 else axes
+        return PartitionSpec(entry, *model[1:])
 
     def stats(self) -> dict[str, int]:
         """Collective bytes, count and peak gathered bytes of this rank's last call."""
@@ -217,9 +339,9 @@ class Shard:
     # -- the step -------------------------------------------------------------------------
     def _plan_for(self, shards) -> Plan:
         treedef = _tree.flatten(shards)[1]
-        plan = self._plans.get(treedef)
+        plan = self._plans.get((self._rank(), treedef))
         if plan is None:
-            known = f" (known structures: {list(self._plans)})" if self._plans else ""
+            known = f" (known structures: {[t for _, t in self._plans]})" if self._plans else ""
             raise ShardingError(
                 f"shard: these shards have a tree structure this step has not laid out{known}.\n"
                 f"Fix: create them with step.shard_params(params) on every rank, and pass that tree."
@@ -316,7 +438,7 @@ class Shard:
 
         view = make_view(treedef, len(leaves), resolve)
         try:
-            with binding(mesh):
+            with binding(mesh, self._check_collective_axes(plan)):
                 out = self.loss_fn(view, batch, *rest)
         finally:
             state.end_forward()
@@ -350,6 +472,7 @@ def shard(
     replicated: Callable[[tuple], bool] | None = None,
     frozen: Callable[[tuple], bool] | None = None,
     check_finite: bool = False,
+    param_specs=None,
 ) -> Shard:
     """Turn `loss_fn(params, batch, *rest) -> scalar` into a fully sharded data-parallel step.
 
@@ -376,6 +499,13 @@ def shard(
       check_finite: raise `sf.NonFiniteError` on every rank, naming the unit (or the loss)
         and the ranks, as soon as the loss or a unit's reduced gradient holds a NaN/Inf,
         before any update can be applied (one tiny all-reduce per unit and step).
+      param_specs: tensor parallelism inside `loss_fn` (FSDP x TP): how each parameter is
+        split over the mesh axes that are not data axes, as a pytree prefix of params with
+        an `sf.P(...)` (or None = replicated) per subtree, or a function `key_path -> P`;
+        e.g. `P(None, "model")` for a column-parallel `x @ w` weight. `loss_fn` then sees
+        this rank's tensor-parallel blocks and may call collectives over those axes; every
+        rank of them gets the same batch, and the loss must be the same on all of them.
+        Gradients follow shard_map's transpose rule (see [Note: FSDP x TP]).
 
     Returns:
       A `Shard` step: call it as `step(shards, batch, *rest)`; it has `shard_params`,
@@ -422,6 +552,9 @@ def shard(
                 raise SpecError(f"shard: MixedPrecision.{field} must be a floating torch.dtype or None, got {dtype!r:.60}")
     if not callable(loss_fn):
         raise SpecError(f"shard: loss_fn must be callable, got {loss_fn!r:.60}")
+    if param_specs is not None and not (callable(param_specs) or isinstance(param_specs, (PartitionSpec, dict, list, tuple))):
+        raise SpecError(f"shard: param_specs must be a tree of sf.P(...) (a prefix of params) or a function of a key "
+                        f"path, got {param_specs!r:.60}")
     config = _Config(data, sharded, units, bool(reshard_after_forward), prefetch, mixed_precision, has_aux, replicated,
-                     frozen, bool(check_finite))
+                     frozen, bool(check_finite), param_specs)
     return Shard(loss_fn, mesh, config)

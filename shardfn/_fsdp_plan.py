@@ -51,6 +51,7 @@ class LeafLayout:
     row_numel: int = 1  # elements per dim-0 row
     chunk: int = 0  # c: rows per block (torch.chunk)
     offset: int = 0  # where this leaf's padded chunk starts in the shard buffer
+    reduce_axes: tuple[str, ...] = ()  # non-data axes the leaf is replicated over: its gradient is psummed
 
     @property
     def chunk_numel(self) -> int:
@@ -74,6 +75,9 @@ class UnitPlan:
     shard_numel: int  # S
     dtype: torch.dtype | None  # dtype of the sharded leaves (before mixed precision)
     frozen: bool = False  # gathered for the forward, never reduce-scattered, no gradient
+    # (axes, start, stop): shard-buffer ranges whose reduced gradient is also psummed over
+    # those non-data axes (FSDP x TP; see [Note: FSDP x TP] in _fsdp.py)
+    regions: list[tuple[tuple[str, ...], int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def is_root(self) -> bool:
@@ -94,6 +98,7 @@ class Plan:
     units: list[UnitPlan]
     unit_of: list[int]  # leaf index -> unit index
     k: int
+    tp_axes: tuple[str, ...] = ()  # the axes param_specs name (tensor parallelism), mesh order
 
 
 def default_unit(paths: list[tuple]) -> Callable[[tuple], Hashable]:
@@ -121,8 +126,16 @@ def _describe_leaf(path, leaf) -> str:
 
 
 def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None,
-               frozen: Callable[[tuple], bool] | None = None) -> Plan:
-    """Lay out `params` (global shapes) over a shard group of size k."""
+               frozen: Callable[[tuple], bool] | None = None,
+               reduce_axes: list[tuple[str, ...]] | None = None) -> Plan:
+    """Lay out `params` over a shard group of size k.
+
+    `params` are the blocks that the shard group splits: the full leaves, or with
+    tensor parallelism this rank's tensor-parallel blocks. `reduce_axes[i]` names the
+    non-data axes leaf i is replicated over (its gradient is psummed over them); within a
+    unit, leaves are ordered by it so that each set of axes is one contiguous range of
+    the shard buffer (`UnitPlan.regions`).
+    """
     paths, leaves, treedef = _tree.flatten_with_paths(params)
     problems = []
     for path, leaf in zip(paths, leaves):
@@ -163,19 +176,21 @@ def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None
         unit_of.append(keys[key])
     layouts: list[LeafLayout | None] = [None] * len(leaves)
     unit_plans = []
+    reduce_axes = reduce_axes or [()] * len(leaves)
     for position, (key, idx) in enumerate(keys.items()):
         sharded, repl, offset, dtypes = [], [], 0, set()
-        for i, path, leaf in members[idx]:
+        for i, path, leaf in sorted(members[idx], key=lambda m: reduce_axes[m[0]]):  # stable
+            axes = reduce_axes[i]
             is_float = leaf.is_floating_point() or leaf.is_complex()
             keep_whole = leaf.dim() == 0 or not is_float or (replicated is not None and replicated(path))
             if keep_whole:
-                layout = LeafLayout(i, path, tuple(leaf.shape), leaf.dtype, sharded=False)
+                layout = LeafLayout(i, path, tuple(leaf.shape), leaf.dtype, sharded=False, reduce_axes=axes)
                 repl.append(layout)
             else:
                 n = leaf.shape[0]
                 c = math.ceil(n / k) if n else 0
                 row = math.prod(leaf.shape[1:])
-                layout = LeafLayout(i, path, tuple(leaf.shape), leaf.dtype, True, n, row, c, offset)
+                layout = LeafLayout(i, path, tuple(leaf.shape), leaf.dtype, True, n, row, c, offset, axes)
                 offset += c * row
                 sharded.append(layout)
                 dtypes.add(leaf.dtype)
@@ -188,9 +203,24 @@ def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None
                 f"mixed_precision=sf.MixedPrecision(param_dtype=...), or split them with units=."
             )
         unit_plans.append(
-            UnitPlan(key, position, sharded, repl, k, offset, next(iter(dtypes), None), isinstance(key, FrozenKey))
+            UnitPlan(key, position, sharded, repl, k, offset, next(iter(dtypes), None), isinstance(key, FrozenKey),
+                     _regions(sharded))
         )
     return Plan(treedef, layouts, unit_plans, unit_of, k)
+
+
+def _regions(sharded: list[LeafLayout]) -> list[tuple[tuple[str, ...], int, int]]:
+    """Contiguous shard-buffer ranges of the leaves with the same (non-empty) reduce axes."""
+    out: list[tuple[tuple[str, ...], int, int]] = []
+    for layout in sharded:
+        if not layout.reduce_axes:
+            continue
+        stop = layout.offset + layout.chunk_numel
+        if out and out[-1][0] == layout.reduce_axes:
+            out[-1] = (layout.reduce_axes, out[-1][1], stop)
+        else:
+            out.append((layout.reduce_axes, layout.offset, stop))
+    return out
 
 
 # -- flat buffers ------------------------------------------------------------------------

@@ -177,6 +177,10 @@ class UnitRuntime:
         if rs.replica_group is not None:
             rs.stats.collective("all_reduce", flat.numel() * flat.element_size())
             flat = ops.all_reduce(rs.replica_group, flat)
+        for axes, start, stop in plan.regions:  # [Note: FSDP x TP] in _fsdp.py
+            region = flat.narrow(-1, start, stop - start)
+            rs.stats.collective("all_reduce", region.numel() * region.element_size())
+            region.copy_(ops.all_reduce(rs.group(axes), region.contiguous()))
         if rs.config.check_finite:
             rs.check_finite(flat, f"the gradient of {plan.name()}")
         shard_grads = unpack_shard_grads(plan, flat, rs.shard_index, lead)
@@ -205,12 +209,18 @@ class UnitRuntime:
             (g if g is not None else torch.zeros(lead + layout.shape, dtype=layout.dtype, device=rs.device))
             for layout, g in zip(self.plan.replicated, grads)
         ]
-        floats = [i for i, layout in enumerate(self.plan.replicated) if layout.dtype.is_floating_point]
-        if floats and rs.data_group.size > 1:
+        by_axes: dict[tuple[str, ...], list[int]] = {}  # one all-reduce per set of axes
+        for i, layout in enumerate(self.plan.replicated):
+            if layout.dtype.is_floating_point:
+                by_axes.setdefault(rs.config.data_axes + layout.reduce_axes, []).append(i)
+        for axes, floats in by_axes.items():
+            group = rs.group(axes)
+            if group.size == 1:
+                continue
             dtype = rs.reduce_dtype or torch.promote_types(*(filled[i].dtype for i in floats), torch.float32)
             flat = torch.cat([filled[i].reshape(lead + (-1,)).to(dtype) for i in floats], dim=-1)
             rs.stats.collective("all_reduce", flat.numel() * flat.element_size())
-            flat = ops.all_reduce(rs.data_group, flat)
+            flat = ops.all_reduce(group, flat)
             start = 0
             for i in floats:
                 n = filled[i][(0,) * len(lead)].numel() if lead else filled[i].numel()
@@ -226,8 +236,15 @@ class RankState:
         self.plan = plan
         self.config = config
         self.device = mesh.device
+        self.mesh = mesh
         self.shard_group = mesh.group(config.shard_axes)
         self.data_group = mesh.group(config.data_axes)
+        self.all_group = mesh.group(mesh.axis_names)
+        # The tensor-parallel axes: the loss is the same on all their ranks and its
+        # cotangent is split between them. [Note: FSDP x TP] in _fsdp.py
+        self.tp_axes = plan.tp_axes
+        self.model_size = mesh.axis_size(plan.tp_axes) if plan.tp_axes else 1
+        self.loss_checked = self.model_size == 1
         replica_axes = tuple(a for a in config.data_axes if a not in config.shard_axes)
         self.replica_group = mesh.group(replica_axes) if replica_axes and mesh.axis_size(replica_axes) > 1 else None
         self.shard_index = self.shard_group.index
@@ -252,26 +269,48 @@ class RankState:
         further step: no cast, no replica all-reduce, no finiteness check, no vmap."""
         return (
             self.defer and not lead and self.replica_group is None and not self.config.check_finite
-            and all(layout.dtype == reduce_dtype for layout in plan.sharded)
+            and not plan.regions and all(layout.dtype == reduce_dtype for layout in plan.sharded)
         )
+
+    def group(self, axes: tuple[str, ...]):
+        return self.mesh.group(axes)
 
     def finish_deferred(self) -> None:
         pending, self.deferred = self.deferred, []
         for p in pending:
             p.wait()
 
+    def check_loss_replicated(self, loss: torch.Tensor) -> None:
+        """First call: the loss must be the same on every rank of the non-data axes (each
+        computes the loss of the same data rank's batch), else the gradient would be wrong."""
+        from ._shard_map import replicated_mismatch
+
+        self.loss_checked = True
+        axes = self.tp_axes
+        self.stats.collective("all_reduce", 4 * 8)  # two float64 fingerprints and their negations
+        if replicated_mismatch(self.group(axes), [loss])[0]:
+            group = self.group(axes)
+            raise ShardingError(
+                f"shard: the loss differs across mesh axes {axes} (ranks {list(group.ranks)}, seen on rank "
+                f"{group.ranks[group.index]}), the tensor-parallel axes of param_specs: shard treats every "
+                f"rank of them as computing the same loss of the same batch.\nFix: give every rank of "
+                f"{axes} the same batch and reduce the loss over them (sf.psum / all_gather) so it is "
+                f"the same there; or, if those axes split the batch, add them to data_axes."
+            )
+
     def check_finite(self, values: torch.Tensor, what: str) -> None:
-        """`shard(check_finite=True)`: raise NonFiniteError on every rank of the data group
-        if `values` holds a NaN/Inf on any of them (one tiny all-reduce + one on failure)."""
+        """`shard(check_finite=True)`: raise NonFiniteError on every rank of the mesh if
+        `values` holds a NaN/Inf on any of them (one tiny all-reduce + one on failure)."""
+        group = self.all_group
         bad = torch.tensor([0.0 if bool(torch.isfinite(values).all()) else 1.0], device=self.device)
         self.stats.collective("all_reduce", bad.numel() * bad.element_size())
-        if float(ops.all_reduce(self.data_group, bad, "max")) == 0.0:
+        if float(ops.all_reduce(group, bad, "max")) == 0.0:
             return
-        flags = ops.all_gather(self.data_group, bad).tolist()
-        ranks = [r for r, f in zip(self.data_group.ranks, flags) if f]
+        flags = ops.all_gather(group, bad).tolist()
+        ranks = [r for r, f in zip(group.ranks, flags) if f]
         raise NonFiniteError(
             f"shard(check_finite=True): {what} is NaN or infinite on ranks {ranks} (this is rank "
-            f"{self.data_group.ranks[self.data_group.index]}). The step stopped before returning, so no "
+            f"{group.ranks[group.index]}). The step stopped before returning, so no "
             f"parameter update was applied.\nFix: look at those ranks' batches; lower the learning rate, "
             f"or use a loss scale / bf16 instead of fp16."
         )
@@ -465,6 +504,8 @@ class LossMean(torch.autograd.Function):
     def forward(loss, rs: RankState):
         if rs.config.check_finite:
             rs.check_finite(loss, "the loss")
+        if not rs.loss_checked:
+            rs.check_loss_replicated(loss)
         rs.stats.collective("all_reduce", loss.numel() * loss.element_size())
         return ops.all_reduce(rs.data_group, loss) / rs.data_group.size
 
@@ -475,7 +516,7 @@ class LossMean(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         ctx.rs.backward_start()
-        return g / ctx.rs.data_group.size, None
+        return g / (ctx.rs.data_group.size * ctx.rs.model_size), None
 
     @staticmethod
     def jvp(ctx, t, _):

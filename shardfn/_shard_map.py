@@ -297,13 +297,18 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([flat.sum(), (flat * weights).sum()])
 
 
-def _verify_replicated(group, where: list[str], xs) -> None:
+def replicated_mismatch(group, xs) -> list[bool]:
+    """Per tensor, whether it differs across the ranks of `group` (same on all ranks)."""
     prints = torch.stack([_fingerprint(x) for x in xs])  # (n, 2)
     both = ops.all_reduce(group, torch.cat([prints, -prints]).reshape(-1), "max").reshape(2, -1, 2)
     hi, lo = both[0], -both[1]
-    bad = ((hi - lo).abs() > 1e-6 * torch.maximum(hi.abs(), lo.abs()) + 1e-30).any(dim=1)
-    if bool(bad.any()):
-        names = [w for w, b in zip(where, bad.tolist()) if b]
+    return ((hi - lo).abs() > 1e-6 * torch.maximum(hi.abs(), lo.abs()) + 1e-30).any(dim=1).tolist()
+
+
+def _verify_replicated(group, where: list[str], xs) -> None:
+    bad = replicated_mismatch(group, xs)
+    if any(bad):
+        names = [w for w, b in zip(where, bad) if b]
         raise ShardingError(
             f"shard_map: out_specs promise that {names} are the same on every rank of mesh axes "
             f"{group.axes} (their out spec omits those axes), but the values differ across ranks "

@@ -87,19 +87,34 @@ def test_train_gpt_tiny_hsdp_bf16(tmp_path):
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
 
 
-def test_train_gpt_fsdp_tp_is_refused_clearly():
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), "--mesh", "fsdp_tp"],
+def test_train_gpt_fsdp_tp_equals_fsdp_on_the_data_ranks(tmp_path):
+    """FSDP x TP on {'data': 2, 'model': 2} reads the same batches as FSDP on 2 ranks and
+    computes the same model (split by heads and hidden units), so the losses agree to fp32
+    rounding; and it learns."""
+    tp = train_gpt(tmp_path, "--tiny", "--steps", "12", "--mesh", "fsdp_tp", name="tp")
+    dp = train_gpt(tmp_path, "--tiny", "--steps", "12", "--ranks", "2", name="dp")
+    assert tp["mesh"] == {"data": 2, "model": 2} and dp["mesh"] == {"data": 2}
+    assert max(abs(a - b) for a, b in zip(tp["losses"], dp["losses"])) < 1e-4, (tp["losses"], dp["losses"])
+    assert tp["losses"][-1] < tp["losses"][0] - 0.3
+    assert "--- sample 0" in tp["stdout"]  # sampled from the gathered, un-split parameters
+
+
+def test_train_gpt_fsdp_tp_needs_an_even_world():
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), "--mesh", "fsdp_tp", "--ranks", "3"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "--mesh fsdp_tp is not supported yet" in proc.stderr
+    assert proc.returncode != 0 and "--mesh fsdp_tp needs an even number of ranks" in proc.stderr
 
 
 @pytest.mark.slow
-def test_train_gpt_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("mesh", ["fsdp", "fsdp_tp"])
+def test_train_gpt_resume_continues_exactly(tmp_path, mesh):
     ckpt = tmp_path / "ckpt"
-    full = train_gpt(tmp_path, "--tiny", "--steps", "12", "--ckpt-dir", str(ckpt), "--ckpt-every", "6", name="a")
+    full = train_gpt(tmp_path, "--tiny", "--steps", "12", "--mesh", mesh, "--ckpt-dir", str(ckpt), "--ckpt-every", "6",
+                     name="a")
     assert sorted(os.listdir(ckpt)) == ["step_000006", "step_000012"]
     shutil.rmtree(ckpt / "step_000012")  # as if the run had stopped after step 6
-    resumed = train_gpt(tmp_path, "--tiny", "--steps", "12", "--ckpt-dir", str(ckpt), "--resume", name="b")
+    resumed = train_gpt(tmp_path, "--tiny", "--steps", "12", "--mesh", mesh, "--ckpt-dir", str(ckpt), "--resume",
+                        name="b")
     assert "resumed from" in resumed["stdout"]
     assert resumed["losses"] == full["losses"]
 
@@ -126,6 +141,19 @@ def test_train_gpt_torchrun_matches_simulated(tmp_path):
                      launcher=[torchrun, "--standalone", "--nproc-per-node", "4"])
     assert dist["kind"] == "distributed" and sim["kind"] == "simulated"
     assert dist["losses"] == sim["losses"]  # bit for bit: same seeds, same reductions
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_train_gpt_fsdp_tp_torchrun_matches_simulated(tmp_path):
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    args = ("--tiny", "--steps", "5", "--mesh", "fsdp_tp", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5")
+    sim = train_gpt(tmp_path, *args[:-4], name="sim")
+    dist = train_gpt(tmp_path, *args, name="dist", launcher=[torchrun, "--standalone", "--nproc-per-node", "4"])
+    assert dist["kind"] == "distributed" and dist["losses"] == sim["losses"]
+    assert os.listdir(tmp_path / "ckpt") == ["step_000005"]  # FSDP x TP shards saved by 4 processes
 
 
 # -- notebooks --------------------------------------------------------------------------
