@@ -162,3 +162,34 @@ def test_fuzz_shard(params, batch, kwargs):
         return step(shards, batch)
 
     _shardfn_error_or_success(MESH_1D, body)
+
+
+@FUZZ
+@given(params=st.one_of(st.dictionaries(st.sampled_from(["w", "b"]), tensors(), max_size=2),
+                        st.lists(st.dictionaries(st.sampled_from(["w"]), tensors(), max_size=1), max_size=2), junk),
+       param_specs=st.one_of(specs, st.dictionaries(st.sampled_from(["w", "b", "x"]), specs, max_size=2),
+                             st.lists(specs, max_size=2), st.just(lambda path: sf.P(None, "model"))),
+       data_axes=st.sampled_from(["data", "model", ("data", "model"), "x"]),
+       body=st.sampled_from(["sum", "psum_model", "psum_data"]))
+def test_fuzz_shard_param_specs(params, param_specs, data_axes, body):
+    """FSDP x TP entry points: param_specs of any shape against any params on a 2-D mesh."""
+    def loss_fn(p, b):
+        total = sum((t.float().sum() for t in optree_leaves(p)), torch.zeros(()))
+        return {"sum": total, "psum_model": sf.psum(total, "model"), "psum_data": sf.psum(total, "data")}[body]
+
+    try:
+        step = sf.shard(loss_fn, MESH_2D, data_axes=data_axes, param_specs=param_specs)
+    except sf.ShardingError:
+        return
+
+    def run():
+        return step(step.shard_params(params), torch.zeros(2))
+
+    _shardfn_error_or_success(MESH_2D, run)
+
+
+def optree_leaves(p):
+    if isinstance(p, torch.Tensor):
+        return [p]
+    items = p.values() if hasattr(p, "keys") else p if isinstance(p, (list, tuple)) else []
+    return [t for item in items for t in optree_leaves(item)]
