@@ -284,11 +284,13 @@ class Shard:
         """
         state = self._state(self._plan_for(shards))
         state.defer = True
+        done = False
         try:
             grads, out = eager_grad_and_value(self, shards, batch, *rest, has_aux=self.config.has_aux)
+            done = True
         finally:
             state.defer = False
-            state.finish_deferred()
+            state.finish_deferred(complete=done)
         value = (out[0].detach(), out[1]) if self.config.has_aux else out.detach()
         return grads, value
 

@@ -159,8 +159,8 @@ class UnitRuntime:
             rs.stats.collective("reduce_scatter", packed.numel() * packed.element_size())
             if rs.can_defer(plan, reduce_dtype, lead):  # [Note: deferred reductions]
                 flat = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
-                rs.deferred.append(ops.reduce_scatter_async(rs.shard_group, packed, out=flat))
-                out.extend(unpack_shard_grads(plan, flat, rs.shard_index, lead))  # filled by the wait
+                rs.deferred.append((ops.reduce_scatter_async(rs.shard_group, packed, out=flat), self, flat))
+                out.extend(unpack_shard_grads(plan, flat, rs.shard_index, lead))  # filled by finish_deferred
             else:
                 out.extend(self._reduce_now(packed, lead))
         if plan.replicated:
@@ -174,17 +174,24 @@ class UnitRuntime:
         """Reduce-scatter (k, *lead, S), all-reduce over replicas, check, unpack and cast."""
         rs, plan = self.rs, self.plan
         flat = ops.reduce_scatter_async(rs.shard_group, packed).wait()  # (*lead, S)
-        if rs.replica_group is not None:
-            rs.stats.collective("all_reduce", flat.numel() * flat.element_size())
-            flat = ops.all_reduce(rs.replica_group, flat)
-        for axes, start, stop in plan.regions:  # [Note: FSDP x TP] in _fsdp.py
-            region = flat.narrow(-1, start, stop - start)
-            rs.stats.collective("all_reduce", region.numel() * region.element_size())
-            region.copy_(ops.all_reduce(rs.group(axes), region.contiguous()))
+        self.finish_reduce(flat)
         if rs.config.check_finite:
             rs.check_finite(flat, f"the gradient of {plan.name()}")
         shard_grads = unpack_shard_grads(plan, flat, rs.shard_index, lead)
         return [g.to(layout.dtype) for layout, g in zip(plan.sharded, shard_grads)]
+
+    def finish_reduce(self, flat: torch.Tensor) -> None:
+        """After the reduce-scatter, in place on the (*lead, S) shard gradient: the sum over
+        the other data axes (HSDP replicas), then over the tensor-parallel axes for the
+        ranges of the leaves they replicate ([Note: FSDP x TP] in _fsdp.py)."""
+        rs = self.rs
+        if rs.replica_group is not None:
+            rs.stats.collective("all_reduce", flat.numel() * flat.element_size())
+            flat.copy_(ops.all_reduce(rs.replica_group, flat))
+        for axes, start, stop in self.plan.regions:
+            region = flat.narrow(-1, start, stop - start)
+            rs.stats.collective("all_reduce", region.numel() * region.element_size())
+            region.copy_(ops.all_reduce(rs.group(axes), region))
 
     def _hold_gradients(self, sharded_grads, repl_grads, lead) -> list[torch.Tensor]:
         """Accumulation without communication: add the unsharded grads to a local buffer and
@@ -258,27 +265,32 @@ class RankState:
         self.in_forward = False
         self.accumulating = False  # Shard.accumulate(mode="reduce_once"), all but the last micro-batch
         self.defer = False  # Shard.grad_and_value: gradient reduce-scatters are waited at the end
-        self.deferred: list = []  # their ops.Pending handles
+        self.deferred: list = []  # (ops.Pending, UnitRuntime, output buffer) per deferred unit
         self.keep_stats = False  # Shard.accumulate: statistics cover all micro-batches
 
     def can_defer(self, plan, reduce_dtype, lead) -> bool:
         """[Note: deferred reductions] Under `Shard.grad_and_value` nothing reads the shard
         gradients before the backward returns (they are `torch.autograd.grad` outputs, no
         AccumulateGrad), so a unit's reduce-scatter can run while the backward of the units
-        before it computes, and be waited once at the end. Only when its output needs no
-        further step: no cast, no replica all-reduce, no finiteness check, no vmap."""
+        before it computes, and be waited once at the end, followed by the all-reduces that
+        complete it in place (HSDP, tensor parallelism). Only when the shard gradients are
+        views of its output: no cast, no finiteness check, no vmap."""
         return (
-            self.defer and not lead and self.replica_group is None and not self.config.check_finite
-            and not plan.regions and all(layout.dtype == reduce_dtype for layout in plan.sharded)
+            self.defer and not lead and not self.config.check_finite
+            and all(layout.dtype == reduce_dtype for layout in plan.sharded)
         )
 
     def group(self, axes: tuple[str, ...]):
         return self.mesh.group(axes)
 
-    def finish_deferred(self) -> None:
+    def finish_deferred(self, complete: bool = True) -> None:
+        """Wait for the deferred reduce-scatters; when the backward completed, finish them
+        (after a failure, no further collective is started)."""
         pending, self.deferred = self.deferred, []
-        for p in pending:
-            p.wait()
+        for work, unit, flat in pending:
+            work.wait()
+            if complete:
+                unit.finish_reduce(flat)
 
     def check_loss_replicated(self, loss: torch.Tensor) -> None:
         """First call: the loss must be the same on every rank of the non-data axes (each

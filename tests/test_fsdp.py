@@ -327,20 +327,24 @@ def test_error_shard_axes_not_subset():
         sf.shard(lambda p, x: x.sum(), mesh, shard_axes="model")
 
 
+HSDP = {"data_axes": ("replica", "shard"), "shard_axes": "shard"}
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"frozen": lambda path: path[:2] == ("layers", 1)}, {"has_aux": True},
-                                    {"reshard_after_forward": False, "prefetch": 0}])
+                                    {"reshard_after_forward": False, "prefetch": 0}, HSDP])
 def test_grad_and_value_fast_path_equals_torch_func(kwargs):
-    """step.grad_and_value (eager autograd, reduce-scatters waited at the end) == torch.func."""
+    """step.grad_and_value (eager autograd, reduce-scatters waited at the end, then HSDP's
+    replica all-reduce in place) == torch.func."""
     g = torch.Generator().manual_seed(5)
     params = mlp_params(g, [4, 6, 5, 3], dtype=D)
     batch = (torch.randn(8, 4, generator=g, dtype=D), torch.randn(8, 3, generator=g, dtype=D))
     loss_fn = (lambda p, b: (mlp_loss(p, b), {"n": torch.ones(())})) if kwargs.get("has_aux") else mlp_loss
-    mesh = sf.local_mesh({"data": 2})
+    mesh = sf.local_mesh({"replica": 2, "shard": 2} if kwargs is HSDP else {"data": 2})
     step = sf.shard(loss_fn, mesh, **kwargs)
 
     def body():
         shards = step.shard_params(params)
-        local = local_batch(batch, mesh.rank, 2)
+        local = local_batch(batch, mesh.rank, mesh.size)
         fast, fast_value = step.grad_and_value(shards, local)
         ref, ref_value = torch.func.grad_and_value(step, has_aux=kwargs.get("has_aux", False))(shards, local)
         diff = max((a - b).abs().max().item() for a, b in zip(torch.utils._pytree.tree_leaves(fast),
@@ -349,7 +353,7 @@ def test_grad_and_value_fast_path_equals_torch_func(kwargs):
         return diff, torch.utils._pytree.tree_structure(fast) == torch.utils._pytree.tree_structure(ref), \
             loss(fast_value) == loss(ref_value)
 
-    assert mesh.run(body) == [(0.0, True, True)] * 2
+    assert mesh.run(body) == [(0.0, True, True)] * mesh.size
 
 
 @pytest.mark.multiprocess
