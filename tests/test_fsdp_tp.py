@@ -450,3 +450,40 @@ def test_axes_not_named_anywhere_are_left_alone():
 
     for got, want in mesh.run(body):
         assert_close(got, want)
+
+
+def test_frozen_and_replicated_leaves_with_tensor_parallel_specs():
+    """frozen= leaves keep their TP split and get zero gradients; replicated= leaves (kept
+    whole by shard) keep theirs and get the exact gradient."""
+    params, batch = init(11, h=8), batch_of(11)
+    want, _ = reference_grads(params, batch)
+    mesh = mesh_of({"data": 2, "model": 2})
+    step = sf.shard(tp_loss, mesh, param_specs=specs_for(params), frozen=lambda path: path[-1] == "w1",
+                    replicated=lambda path: path[-1] in ("b1", "scale"))
+
+    def body():
+        grads = torch.func.grad(step)(step.shard_params(params), data_batch(mesh, batch))
+        return step.unshard_params(grads)
+
+    for grads in mesh.run(body):
+        for layer, ref in zip(grads["layers"], want["layers"]):
+            assert torch.equal(layer["w1"], torch.zeros_like(ref["w1"]))
+            ref["w1"] = layer["w1"]
+        assert_close(grads, want)
+
+
+def test_check_finite_stops_every_rank_of_both_axes():
+    params, (x, y) = init(12, h=8), batch_of(12)
+    mesh = mesh_of({"data": 2, "model": 2})
+    step = sf.shard(tp_loss, mesh, param_specs=specs_for(params), check_finite=True)
+
+    def body():
+        bx, by = data_batch(mesh, (x, y))
+        if mesh.coords["data"] == 1:
+            bx = bx.clone()
+            bx[0, 0] = float("nan")  # data rank 1's batch, seen by both of its 'model' ranks
+        return step.grad_and_value(step.shard_params(params), (bx, by))
+
+    with pytest.raises(sf.NonFiniteError) as e:
+        mesh.run(body)
+    assert "the loss is NaN or infinite on ranks [2, 3]" in str(e.value)
