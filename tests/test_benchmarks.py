@@ -37,6 +37,19 @@ def test_fsdp_vs_ddp_tiny(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_fsdp_tp_vs_torch_tiny(tmp_path):
+    import fsdp_tp_vs_torch
+
+    result = fsdp_tp_vs_torch.main(["--tiny", "--out", str(tmp_path / "tp")])
+    assert result["mesh"] == {"data": 2, "model": 2} and set(result["median_step_s"]) == {"shardfn", "torch"}
+    assert result["max_loss_diff"] < 1e-5  # the same model, data and AdamW: the same losses
+    sb = result["state_bytes_per_rank"]
+    assert sb["shardfn"] <= 1.05 * sb["torch"]  # the same 2-D sharded state as FSDP2 + DTensor TP
+    assert sb["shardfn"] < 0.5 * result["unsharded_state_bytes"]
+    assert json.loads((tmp_path / "tp.json").read_text())["result"]["parameters"] == result["parameters"]
+
+
+@pytest.mark.multiprocess
 def test_simulated_overhead_tiny(tmp_path):
     import simulated_overhead
 
