@@ -78,6 +78,16 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+def _stacked(t: torch.Tensor) -> bool:
+    """Whether `t` is batched by a vmap (an ensemble of shards; see [Note: stacked shards])."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
+
+
 class Shard:
     """The callable returned by `sf.shard`. See `shard` for the arguments."""
 
@@ -426,7 +436,10 @@ class Shard:
             unit = state.units[u]
             if unit.outputs is None:
                 order = unit.plan.sharded + unit.plan.replicated
-                if unit.plan.frozen:  # gathered, but no gradient: no autograd node at all
+                if unit.plan.frozen and _stacked(leaves[order[0].index]):  # vmap over an ensemble
+                    with torch.no_grad():
+                        outs = GatherUnit.apply(state, u, *[leaves[l.index] for l in order])
+                elif unit.plan.frozen:  # gathered, but no gradient: no autograd node at all
                     with torch.no_grad():
                         inputs = [_plain(leaves[l.index]) for l in order]
                         state.enter(u, inputs)
@@ -511,7 +524,9 @@ def shard(
 
     Returns:
       A `Shard` step: call it as `step(shards, batch, *rest)`; it has `shard_params`,
-      `unshard_params`, `specs` and `stats()`.
+      `unshard_params`, `specs` and `stats()`. It composes with `torch.func`: `grad`,
+      `vjp`, `jvp`, `vmap(grad(step), in_dims=(None, 0))` (per-example gradients) and
+      `vmap(step, in_dims=(0, None))` over stacked shards (an ensemble of models).
 
     Example:
       >>> import shardfn as sf, torch

@@ -31,7 +31,7 @@ from ._backend import ops
 from ._errors import NonFiniteError, ShardingError
 from ._fsdp_plan import UnitPlan, copy_out, leaf_views, pack_grads, pack_shards, unpack_shard_grads
 
-__all__ = ["RankState", "UnitRuntime", "GatherUnit", "LossMean"]
+__all__ = ["RankState", "UnitRuntime", "GatherUnit", "GatherStacked", "LossMean"]
 
 
 # Schedule work (gathers, frees) also runs inside backward functions, where functorch
@@ -84,6 +84,7 @@ class UnitRuntime:
         self.shards: list[torch.Tensor] = []  # this step's plain shard tensors (sharded leaves)
         self.outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
         self.backward_done = False
+        self.stacked = False  # this step gathered stacked shards (vmap over an ensemble): no schedule
         self.acc: torch.Tensor | None = None  # (k, *lead, S) unsharded grad sum (accumulate, reduce_once)
         self.acc_replicated: list | None = None
 
@@ -337,6 +338,7 @@ class RankState:
         for unit in self.units:
             unit.outputs = None
             unit.backward_done = False
+            unit.stacked = False
             unit.shards = [shard_leaves[layout.index] for layout in unit.plan.sharded]
         self.in_forward = True
 
@@ -364,7 +366,7 @@ class RankState:
     def regather_in_forward(self, u: int) -> None:
         """Forward: a unit released earlier in this forward is touched again."""
         unit = self.units[u]
-        if unit.state is not UnitState.GATHERED:
+        if unit.state is not UnitState.GATHERED and not unit.stacked:
             unit.finish_gather()
 
     def _prefetch_after(self, u: int, order: list[int]) -> None:
@@ -440,13 +442,16 @@ class GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, rs, u, *inputs):
-        if any(d is not None for d in in_dims[2:]):
-            raise ShardingError(
-                "shard: vmap over batched (stacked) shards is not supported yet; vmap over the batch "
-                "instead, e.g. torch.func.vmap(torch.func.grad(step), in_dims=(None, 0))."
-            )
-        outs = GatherUnit.apply(rs, u, *inputs)
-        return outs, (None,) * len(outs)
+        if all(d is None for d in in_dims[2:]):  # vmap over the batch: the shards are shared
+            outs = GatherUnit.apply(rs, u, *inputs)
+            return outs, (None,) * len(outs)
+        # [Note: stacked shards] vmap over an ensemble: every member's shards, stacked.
+        size = info.batch_size
+        stacked = [x.movedim(d, 0) if d is not None else x.unsqueeze(0).expand((size,) + tuple(x.shape))
+                   for x, d in zip(inputs, in_dims[2:])]
+        rs.units[u].stacked = True
+        outs = GatherStacked.apply(rs, u, *stacked)
+        return outs, (0,) * len(outs)
 
 
 class ReduceScatterUnit(torch.autograd.Function):
@@ -476,6 +481,66 @@ class ReduceScatterUnit(torch.autograd.Function):
                 front.append(g.movedim(d, 0))
         outs = rs.units[u].reduce_gradients(front, lead=(size,))
         return tuple(outs), (0,) * len(outs)
+
+
+class GatherStacked(torch.autograd.Function):
+    """[Note: stacked shards] `vmap(step)` over stacked shards (an ensemble of B models,
+    each sharded like the params): the unit's shards of all B members travel in one
+    (B, S) all-gather and come back as (B, *leaf shape) full leaves. No freeing and no
+    prefetch: the gathered members stay alive until the backward (memory: B units per
+    unit touched). Backward: one reduce-scatter of the (k, B, S) gradients
+    (ReduceScatterStacked), the same path as per-example gradients."""
+
+    @staticmethod
+    def forward(rs: RankState, u: int, *inputs):
+        unit = rs.units[u]
+        plan = unit.plan
+        n = len(plan.sharded)
+        out = []
+        if plan.sharded:
+            size = inputs[0].shape[0]
+            pieces = []
+            for layout, x in zip(plan.sharded, inputs[:n]):
+                flat = x.reshape(size, -1).to(unit.dtype)
+                pieces.append(torch.nn.functional.pad(flat, (0, layout.chunk_numel - flat.shape[1])))
+            send = torch.cat(pieces, dim=1)  # (B, S)
+            rs.stats.collective("all_gather", plan.k * send.numel() * send.element_size())
+            gathered = ops.all_gather_async(rs.shard_group, send).wait()  # (k, B, S)
+            for layout in plan.sharded:
+                block = gathered.narrow(2, layout.offset, layout.chunk_numel).movedim(0, 1)  # (B, k, c * row)
+                full = block.reshape((size, plan.k * layout.chunk) + layout.shape[1:]).narrow(1, 0, layout.rows)
+                out.append(full.contiguous())
+        out.extend(x.view_as(x) for x in inputs[n:])
+        return tuple(out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.rs, ctx.u = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None) + tuple(ReduceScatterStacked.apply(ctx.rs, ctx.u, *grads))
+
+    @staticmethod
+    def vmap(info, in_dims, rs, u, *inputs):
+        raise ShardingError("shard: vmap over stacked shards nests once (one ensemble dimension)")
+
+
+class ReduceScatterStacked(torch.autograd.Function):
+    """(B, *leaf shape) gradients of a stacked unit -> (B, *shard shape), one reduce-scatter."""
+
+    @staticmethod
+    def forward(rs: RankState, u: int, *grads):
+        size = next(g.shape[0] for g in grads if g is not None)
+        return tuple(rs.units[u].reduce_gradients(list(grads), lead=(size,)))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *gg):
+        raise ShardingError("shard: differentiating through the gradient reduce-scatter (double backward) is not supported")
 
 
 class GatherTangent(torch.autograd.Function):
