@@ -434,7 +434,7 @@ class GatherUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ctx.rs.unit_backward(ctx.u)
-        return (None, None) + tuple(ReduceScatterUnit.apply(ctx.rs, ctx.u, *grads))
+        return (None, None) + tuple(ReduceScatterUnit.apply(ctx.rs, ctx.u, False, *grads))
 
     @staticmethod
     def jvp(ctx, _rs, _u, *tangents):
@@ -455,9 +455,13 @@ class GatherUnit(torch.autograd.Function):
 
 
 class ReduceScatterUnit(torch.autograd.Function):
+    """A unit's full-leaf gradients -> this rank's shard gradients, one reduce-scatter.
+    `stacked`: the gradients carry a leading ensemble dim (GatherStacked's backward)."""
+
     @staticmethod
-    def forward(rs: RankState, u: int, *grads):
-        return tuple(rs.units[u].reduce_gradients(grads))
+    def forward(rs: RankState, u: int, stacked: bool, *grads):
+        lead = (next(g.shape[0] for g in grads if g is not None),) if stacked else ()
+        return tuple(rs.units[u].reduce_gradients(list(grads), lead=lead))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -468,8 +472,10 @@ class ReduceScatterUnit(torch.autograd.Function):
         raise ShardingError("shard: differentiating through the gradient reduce-scatter (double backward) is not supported")
 
     @staticmethod
-    def vmap(info, in_dims, rs, u, *grads):
-        dims = in_dims[2:]
+    def vmap(info, in_dims, rs, u, stacked, *grads):
+        if stacked:
+            raise ShardingError("shard: vmap over stacked shards nests once (one ensemble dimension)")
+        dims = in_dims[3:]
         size = info.batch_size
         front = []
         for g, d in zip(grads, dims):
@@ -489,7 +495,7 @@ class GatherStacked(torch.autograd.Function):
     (B, S) all-gather and come back as (B, *leaf shape) full leaves. No freeing and no
     prefetch: the gathered members stay alive until the backward (memory: B units per
     unit touched). Backward: one reduce-scatter of the (k, B, S) gradients
-    (ReduceScatterStacked), the same path as per-example gradients."""
+    (ReduceScatterUnit with `stacked`), the same path as per-example gradients."""
 
     @staticmethod
     def forward(rs: RankState, u: int, *inputs):
@@ -519,28 +525,11 @@ class GatherStacked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None) + tuple(ReduceScatterStacked.apply(ctx.rs, ctx.u, *grads))
+        return (None, None) + tuple(ReduceScatterUnit.apply(ctx.rs, ctx.u, True, *grads))
 
     @staticmethod
     def vmap(info, in_dims, rs, u, *inputs):
         raise ShardingError("shard: vmap over stacked shards nests once (one ensemble dimension)")
-
-
-class ReduceScatterStacked(torch.autograd.Function):
-    """(B, *leaf shape) gradients of a stacked unit -> (B, *shard shape), one reduce-scatter."""
-
-    @staticmethod
-    def forward(rs: RankState, u: int, *grads):
-        size = next(g.shape[0] for g in grads if g is not None)
-        return tuple(rs.units[u].reduce_gradients(list(grads), lead=(size,)))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *gg):
-        raise ShardingError("shard: differentiating through the gradient reduce-scatter (double backward) is not supported")
 
 
 class GatherTangent(torch.autograd.Function):
