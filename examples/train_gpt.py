@@ -257,6 +257,7 @@ def train(mesh, cfg: Config, args, apply_fn, params, data):
     static_bytes = 2 * tree_bytes(shards) + tree_bytes(opt_state)  # shards + their grads + AdamW state
     data_rank, data_size = step_data_rank(mesh, data_axes)  # 'model' ranks share their data rank's batch
     tokens = cfg.batch_size * cfg.block_size * data_size
+    pending = None  # the asynchronous save in flight, if any
     for it in range(start, cfg.steps):
         batch = get_batch(data, cfg, args.seed, it, data_rank)
         t0 = time.perf_counter()
@@ -266,7 +267,11 @@ def train(mesh, cfg: Config, args, apply_fn, params, data):
         mem = static_bytes + step.stats()["peak_gathered_bytes"]
         progress.update(it, cfg.steps, losses[-1], tokens / dt, mem)
         if args.ckpt_dir and ((it + 1) % cfg.ckpt_every == 0 or it + 1 == cfg.steps):
-            save_checkpoint(args.ckpt_dir, mesh, step, shards, opt_state, it + 1, losses)
+            if pending is not None:
+                pending.wait()  # collective: the previous save is published before the next starts
+            pending = save_checkpoint(args.ckpt_dir, mesh, step, shards, opt_state, it + 1, losses)
+    if pending is not None:
+        pending.wait()
     progress.close()
 
     stats = step.stats()
@@ -301,9 +306,11 @@ def _checkpoint(step, shards, opt_state):
 
 
 def save_checkpoint(directory, mesh, step, shards, opt_state, it, losses):
+    """Start an asynchronous save (the files are written while training goes on, from a
+    copy: the in-place optimizer may change the shards); `.wait()` publishes it."""
     ckpt, specs = _checkpoint(step, shards, opt_state)
     tree = {"params": shards, "opt": opt_state, "step": it, "losses": json.dumps(losses)}
-    ckpt.save(os.path.join(directory, f"step_{it:06d}"), tree, mesh, specs, overwrite=True)
+    return ckpt.save(os.path.join(directory, f"step_{it:06d}"), tree, mesh, specs, overwrite=True, blocking=False)
 
 
 def load_checkpoint(directory, mesh, step, shards, opt_state):

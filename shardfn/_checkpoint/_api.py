@@ -23,7 +23,7 @@ from ._errors import (
 from ._keys import KeyMap, Leaf, add_aliases, mapper, named_leaves
 from ._layout import Entry, Ranks, agree, chunk_of, global_shapes, manifest
 
-__all__ = ["save", "load", "export_full", "contents"]
+__all__ = ["save", "load", "export_full", "contents", "PendingSave"]
 
 
 def _stored(leaf: Leaf) -> Leaf:
@@ -34,7 +34,7 @@ def _stored(leaf: Leaf) -> Leaf:
 
 
 def save(path, tree: Any, mesh, specs: Any = None, *, key_map: KeyMap = None,
-         aliases: Mapping[str, str] | None = None, overwrite: bool = False) -> str:
+         aliases: Mapping[str, str] | None = None, overwrite: bool = False, blocking: bool = True):
     """Save a pytree of this rank's blocks as one DCP checkpoint directory (collective).
 
     Every rank calls `save` with its own blocks; each writes only the blocks it holds
@@ -56,9 +56,14 @@ def save(path, tree: Any, mesh, specs: Any = None, *, key_map: KeyMap = None,
       aliases: `{other key: key}`: also store a leaf under other names, e.g.
         `tied_keys(model)` so tied weights appear under every module name, as in FSDP2.
       overwrite: replace an existing checkpoint at `path` (atomically).
+      blocking: False saves asynchronously: `save` agrees on the layout with the other
+        ranks and copies this rank's blocks (to CPU memory), then returns a `PendingSave`
+        while a background thread writes the files; training may go on and change the
+        blocks in place. `pending.wait()` (collective: every rank calls it, e.g. before
+        the next save) finishes the save and publishes the directory.
 
     Returns:
-      `path`.
+      `path`, or with `blocking=False` a `PendingSave` whose `wait()` returns `path`.
 
     Raises:
       SpecError: the specs do not fit the tree or the mesh, or a block is not its
@@ -78,7 +83,7 @@ def save(path, tree: Any, mesh, specs: Any = None, *, key_map: KeyMap = None,
       >>> sf.checkpoint.load(path, {"w": torch.zeros(5), "step": 0}, None)
       {'w': tensor([0., 1., 2., 3., 4.]), 'step': 1}
     """
-    from ._dcp import finish, save_plan, write_blocks
+    from ._dcp import save_plan, write_blocks
 
     who = "sf.checkpoint.save"
     path = os.fspath(path)
@@ -107,21 +112,100 @@ def save(path, tree: Any, mesh, specs: Any = None, *, key_map: KeyMap = None,
         results, mine["metadata"], mine["writer"] = write_blocks(tmp, path, ranks.rank, plans, blocks)
         return results
 
-    def publish(results):
-        if ranks.rank == 0:
-            finish(mine["writer"], mine["metadata"], results)
-            info = {"world_size": ranks.size, "mesh": ranks.shape,
-                    "specs": {e.key: _spec_text(leaf) for e, leaf in zip(per_rank[0], mine["leaves"])}}
-            _files.publish(tmp, path, _files.describe(info), save_id)
+    if not blocking:  # [Note: async save]
+        blocks = {k: _staged(v) for k, v in blocks.items()}
+        return PendingSave(path, tmp, ranks, write, lambda results: _publish(path, tmp, save_id, ranks, mine,
+                                                                             per_rank, results))
 
     try:
         results = agree(ranks, write, who)
-        agree(ranks, lambda: publish(results), who)
+        agree(ranks, lambda: _publish(path, tmp, save_id, ranks, mine, per_rank, results), who)
     except Exception:
         if ranks.rank == 0:  # the save failed somewhere: leave no partial directory behind
             _files.discard(tmp)
         raise
     return path
+
+
+def _publish(path, tmp, save_id, ranks, mine, per_rank, results) -> None:
+    """Rank 0: DCP's `.metadata`, then the marker and the atomic rename."""
+    from ._dcp import finish
+
+    if ranks.rank == 0:
+        finish(mine["writer"], mine["metadata"], results)
+        info = {"world_size": ranks.size, "mesh": ranks.shape,
+                "specs": {e.key: _spec_text(leaf) for e, leaf in zip(per_rank[0], mine["leaves"])}}
+        _files.publish(tmp, path, _files.describe(info), save_id)
+
+
+def _staged(value):
+    """A copy of a block that training cannot change under the writer: tensors to CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return value
+
+
+class PendingSave:
+    """An asynchronous `save` in flight (`save(..., blocking=False)`).
+
+    [Note: async save] The collective parts of a save (agreeing on the layout; at the end,
+    gathering every rank's write results and publishing) run on the ranks' own threads,
+    in step with their other collectives; only the file writing, which needs no
+    communication, runs on a background thread, from a staged copy of the blocks. So
+    `wait()` is collective, like `save`: call it on every rank at the same point of the
+    program. Until then the checkpoint is a temporary directory that `latest` and `load`
+    ignore; a process that dies before `wait()` leaves the previous checkpoint the latest.
+    """
+
+    def __init__(self, path: str, tmp: str, ranks: Ranks, write, publish):
+        import threading
+
+        self.path = path
+        self._tmp, self._ranks, self._publish = tmp, ranks, publish
+        self._outcome: dict[str, Any] = {}
+        self._waited = False
+
+        def run():
+            try:
+                self._outcome["results"] = write()
+            except BaseException as err:  # noqa: BLE001 - reported by wait(), on every rank
+                self._outcome["error"] = err
+
+        self._thread = threading.Thread(target=run, name=f"shardfn-save-{os.path.basename(path)}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether this rank has finished writing its files (no communication)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        """Finish the save on every rank (collective) and publish it; returns the path.
+
+        Raises what `save` raises: if writing failed on any rank, every rank raises and no
+        directory appears at the path."""
+        who = "sf.checkpoint.save(blocking=False).wait()"
+        if self._waited:
+            raise CheckpointError(f"{who}: this save of {self.path!r} was already waited for")
+        self._waited = True
+        self._thread.join()
+
+        def written():
+            if "error" in self._outcome:
+                raise self._outcome["error"]
+            return self._outcome["results"]
+
+        try:
+            results = agree(self._ranks, written, who)
+            agree(self._ranks, lambda: self._publish(results), who)
+        except Exception:
+            if self._ranks.rank == 0:
+                _files.discard(self._tmp)
+            raise
+        return self.path
+
+    def __repr__(self) -> str:
+        state = "published" if self._waited else ("written, waiting" if self.done() else "writing")
+        return f"PendingSave({self.path!r}, {state})"
 
 
 def _spec_text(leaf: Leaf) -> str:
