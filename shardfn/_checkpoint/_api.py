@@ -155,6 +155,17 @@ class PendingSave:
     `wait()` is collective, like `save`: call it on every rank at the same point of the
     program. Until then the checkpoint is a temporary directory that `latest` and `load`
     ignore; a process that dies before `wait()` leaves the previous checkpoint the latest.
+
+    Example:
+      >>> import shardfn as sf, torch, tempfile, os
+      >>> path = os.path.join(tempfile.mkdtemp(), "step_000001")
+      >>> w = torch.ones(3)
+      >>> pending = sf.checkpoint.save(path, {"w": w}, None, blocking=False)
+      >>> _ = w.add_(1)  # training goes on; the save holds a copy
+      >>> pending.wait() == path
+      True
+      >>> sf.checkpoint.load(path, {"w": torch.zeros(3)}, None)["w"]
+      tensor([1., 1., 1.])
     """
 
     def __init__(self, path: str, tmp: str, ranks: Ranks, write, publish):
