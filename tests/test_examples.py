@@ -201,3 +201,5 @@ def test_notebook_02_fsdp():
     assert "OK: shard == data parallelism on 1, 2 and 4 ranks, 3 AdamW steps" in out
     assert re.search(r"^\s+4\s+53,440\s+53,440\s+106,880\s+112,128\s+325,888$", out, re.M), out
     assert "<Figure" in out  # the memory plot was drawn
+    assert re.search(r"OK: FSDP x TP gradients == single device \(max diff \d\.\de-1[3-9]\)", out), out
+    assert "spec P(('model', 'data'), None) -> this rank's shard (8, 8)" in out
