@@ -25,24 +25,10 @@ from ._agree import check_same_everywhere
 from ._autograd import eager_grad_and_value
 from ._lazy import make_view
 from ._shard_map import _gather_blocks, _slice_block
-from ._spec import PartitionSpec, block_index, chunk_bounds, entry_axes, validate_spec
+from ._spec import PartitionSpec, chunk_bounds
+from . import _fsdp_tp as tp
 
 __all__ = ["shard", "Shard", "MixedPrecision"]
-
-# [Note: FSDP x TP] `shard` is shard_map over the whole mesh with the params sharded and
-# the loss replicated, so it follows shard_map's transpose rule (_shard_map.py, JEP 17111):
-#   (1) the loss's out spec is P(): its cotangent is divided by the size of every mesh
-#       axis: 1/|data axes| (the mean) and 1/|other axes| (LossMean.backward);
-#   (2) a parameter's cotangent is psummed over every axis its spec omits: over the shard
-#       axes by the reduce-scatter, over the other data axes by HSDP's all-reduce, and
-#       over the tensor-parallel axes that `param_specs` does not name by an all-reduce of
-#       that leaf's range of the reduce-scattered (1/N-sized) buffer (UnitPlan.regions).
-# Inside loss_fn the collectives over the tensor-parallel axes use psum's transpose =
-# psum, which together with (1) and (2) gives the exact gradient: a weight split over
-# 'model' gets the contributions of all ranks through the collectives' backward, and a
-# weight replicated over 'model' (a LayerNorm) gets 1/|model| of its gradient on each
-# 'model' rank, summed by (2). Without tensor-parallel axes both are no-ops.
-
 
 class MixedPrecision(NamedTuple):
     """Dtypes for `shard`: shards (master weights) keep theirs; gathers and compute run in
@@ -114,7 +100,8 @@ class Shard:
         mesh = self.mesh
         paths, leaves, treedef = _tree.flatten_with_paths(params)
         self._check_same_everywhere(paths, leaves)
-        model_specs = self._model_specs(params, paths, leaves)
+        model_specs = tp.model_specs(self.config.param_specs, params, paths, leaves, mesh, self.config.data_axes,
+                                     self.config.shard_axes)
         # With tensor parallelism the shard group splits this rank's tensor-parallel block.
         blocks = [_slice_block(x, s, mesh) if isinstance(x, torch.Tensor) and s.axes else x
                   for x, s in zip(leaves, model_specs)]
@@ -122,16 +109,16 @@ class Shard:
         with self._lock:  # rank threads share one plan per signature (and so its RankStates)
             plan = self._by_signature.get(signature)
             if plan is None:
-                tp_axes = tuple(a for a in mesh.axis_names if any(a in s.axes for s in model_specs))
+                tp_axes = tp.tp_axes(mesh, model_specs)
                 plan = build_plan(_tree.unflatten(treedef, blocks), mesh.axis_size(self.config.shard_axes),
                                   self.config.units, self.config.replicated, self.config.frozen,
-                                  [self._reduce_axes(s, tp_axes) for s in model_specs])
+                                  [tp.reduce_axes(s, tp_axes, mesh) for s in model_specs])
                 plan.tp_axes = tp_axes
                 self._by_signature[signature] = plan
             self._plans[(self._rank(), treedef)] = plan
             self._last_plan = plan
             self._model_specs_of[treedef] = model_specs
-        self._check_nested_chunks(plan, leaves, model_specs)
+        tp.check_nested_chunks(plan, leaves, model_specs, mesh, self.config.shard_axes)
         index = mesh.group(self.config.shard_axes).index
         shards = []
         for layout, leaf in zip(plan.leaves, blocks):
@@ -142,89 +129,8 @@ class Shard:
             shards.append(leaf.clone())
         return _tree.unflatten(treedef, shards)
 
-    # -- tensor parallelism: [Note: FSDP x TP] -------------------------------------------
     def _rank(self) -> int:
         return self.mesh.rank if self.mesh.in_rank() else -1
-
-    def _model_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in self.mesh.axis_names if a not in self.config.data_axes)
-
-    def _reduce_axes(self, spec: PartitionSpec, tp_axes: tuple[str, ...]) -> tuple[str, ...]:
-        """Tensor-parallel axes (of size > 1) a leaf with spec `spec` is replicated over."""
-        named = set(spec.axes)
-        return tuple(a for a in tp_axes if a not in named and self.mesh.shape[a] > 1)
-
-    def _check_collective_axes(self, plan: Plan):
-        """Inside loss_fn, collectives may run over data axes and tensor-parallel axes; over
-        any other axis shard would not reduce the gradients, so they would be wrong."""
-        allowed = set(self.config.data_axes) | set(plan.tp_axes)
-
-        def check(op: str, axes: tuple[str, ...]) -> None:
-            stray = [a for a in axes if a not in allowed]
-            if stray:
-                raise ShardingError(
-                    f"shard: {op} over {stray} inside loss_fn, but {stray} are neither data axes "
-                    f"{list(self.config.data_axes)} nor tensor-parallel axes of this step (axes that "
-                    f"param_specs names: {list(plan.tp_axes)}), so shard would not reduce gradients over "
-                    f"them and they would be wrong.\nFix: pass param_specs that split some parameters over "
-                    f"{stray} (e.g. P(None, {stray[0]!r}) for a column-parallel weight), or add {stray} to "
-                    f"data_axes if they split the batch."
-                )
-
-        return check
-
-    def _model_specs(self, params, paths, leaves) -> list[PartitionSpec]:
-        """Per leaf, its spec over the non-data axes (`param_specs`; P() without it), checked."""
-        given = self.config.param_specs
-        if given is None:
-            return [PartitionSpec()] * len(leaves)
-        if callable(given) and not isinstance(given, PartitionSpec):
-            specs = [given(path) for path in paths]
-        else:
-            specs = _tree.broadcast_prefix(given, params, what="param_specs",
-                                           is_prefix_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
-        data = self.config.data_axes
-        out = []
-        for path, leaf, spec in zip(paths, leaves, specs):
-            where = f"shard(param_specs) for params{_tree.keystr(path)}"
-            spec = PartitionSpec() if spec is None else spec
-            shape = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else ()
-            validate_spec(spec, shape, self.mesh.shape, where)
-            clash = [a for a in spec.axes if a in data]
-            if clash:
-                raise SpecError(
-                    f"{where}: the spec {spec!r} names data axes {clash}; param_specs lay parameters out over "
-                    f"the other (tensor-parallel) axes {list(self._model_axes())}, and shard itself shards "
-                    f"them over {list(self.config.shard_axes)}.\nFix: drop {clash} from the spec."
-                )
-            if spec.axes and not isinstance(leaf, torch.Tensor):
-                raise SpecError(f"{where}: a {type(leaf).__name__} cannot be split over {spec.axes}; give it P()")
-            out.append(spec)
-        return out
-
-    def _check_nested_chunks(self, plan: Plan, leaves, model_specs) -> None:
-        """Where param_specs and shard both split dim 0, the shard group's chunks of each
-        tensor-parallel block must be the torch.chunk blocks of the combined spec (what
-        `specs` reports and checkpoints use): true when dim 0 splits evenly."""
-        k = plan.k
-        for layout, leaf, spec in zip(plan.leaves, leaves, model_specs):
-            if not (layout.sharded and spec and entry_axes(spec[0])):
-                continue
-            n = leaf.shape[0]
-            _, m = block_index(spec[0], self.mesh.coords, self.mesh.shape)
-            for i in range(m):
-                start, stop = chunk_bounds(n, m, i)
-                for j in range(k):
-                    a, b = chunk_bounds(stop - start, k, j)
-                    if (start + a, start + b) != chunk_bounds(n, m * k, i * k + j):
-                        raise SpecError(
-                            f"shard: params{_tree.keystr(layout.path)} (shape {tuple(leaf.shape)}) has dim 0 "
-                            f"split {m} ways over {entry_axes(spec[0])} by param_specs and then {k} ways over "
-                            f"{self.config.shard_axes} by shard; {n} rows do not split into {m * k} torch.chunk "
-                            f"blocks that way, so the shards would not have the layout step.specs promises.\n"
-                            f"Fix: make dim 0 a multiple of {m * k}, split another dim over the tensor-parallel "
-                            f"axes, or keep the leaf whole with replicated=."
-                        )
 
     def _check_same_everywhere(self, paths, leaves) -> None:
         lines = [f"params{_tree.keystr(p)}: {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else
@@ -265,16 +171,8 @@ class Shard:
             raise ShardingError("step.specs: call step.shard_params(params) first; the specs describe its shards")
         plan = self._last_plan
         model_specs = self._model_specs_of.get(plan.treedef) or [PartitionSpec()] * len(plan.leaves)
-        return _tree.unflatten(plan.treedef, [self._combined_spec(l.sharded, m) for l, m in zip(plan.leaves, model_specs)])
-
-    def _combined_spec(self, sharded: bool, model: PartitionSpec) -> PartitionSpec:
-        """A leaf's spec: its tensor-parallel spec, with dim 0 also split over the shard axes
-        (minor to the tensor-parallel axes of dim 0) when shard shards it."""
-        if not sharded:
-            return model
-        axes = entry_axes(model[0] if model else None) + self.config.shard_axes
-        entry = axes[0] if len(axes) == 1 else axes
-        return PartitionSpec(entry, *model[1:])
+        axes = self.config.shard_axes
+        return _tree.unflatten(plan.treedef, [tp.combined_spec(l.sharded, m, axes) for l, m in zip(plan.leaves, model_specs)])
 
     def stats(self) -> dict[str, int]:
         """Collective bytes, count and peak gathered bytes of this rank's last call."""
@@ -453,7 +351,7 @@ class Shard:
 
         view = make_view(treedef, len(leaves), resolve)
         try:
-            with binding(mesh, self._check_collective_axes(plan)):
+            with binding(mesh, tp.collective_axes_check(self.config.data_axes, plan.tp_axes)):
                 out = self.loss_fn(view, batch, *rest)
         finally:
             state.end_forward()
@@ -520,7 +418,7 @@ def shard(
         e.g. `P(None, "model")` for a column-parallel `x @ w` weight. `loss_fn` then sees
         this rank's tensor-parallel blocks and may call collectives over those axes; every
         rank of them gets the same batch, and the loss must be the same on all of them.
-        Gradients follow shard_map's transpose rule (see [Note: FSDP x TP]).
+        Gradients follow shard_map's transpose rule (docs/howto/fsdp-tp.md).
 
     Returns:
       A `Shard` step: call it as `step(shards, batch, *rest)`; it has `shard_params`,

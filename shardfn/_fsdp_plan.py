@@ -76,7 +76,7 @@ class UnitPlan:
     dtype: torch.dtype | None  # dtype of the sharded leaves (before mixed precision)
     frozen: bool = False  # gathered for the forward, never reduce-scattered, no gradient
     # (axes, start, stop): shard-buffer ranges whose reduced gradient is also psummed over
-    # those non-data axes (FSDP x TP; see [Note: FSDP x TP] in _fsdp.py)
+    # those non-data axes (FSDP x TP; see [Note: FSDP x TP] in _fsdp_tp.py)
     regions: list[tuple[tuple[str, ...], int, int]] = dataclasses.field(default_factory=list)
 
     @property

@@ -184,7 +184,7 @@ class UnitRuntime:
     def finish_reduce(self, flat: torch.Tensor) -> None:
         """After the reduce-scatter, in place on the (*lead, S) shard gradient: the sum over
         the other data axes (HSDP replicas), then over the tensor-parallel axes for the
-        ranges of the leaves they replicate ([Note: FSDP x TP] in _fsdp.py)."""
+        ranges of the leaves they replicate ([Note: FSDP x TP] in _fsdp_tp.py)."""
         rs = self.rs
         if rs.replica_group is not None:
             rs.stats.collective("all_reduce", flat.numel() * flat.element_size())
@@ -249,7 +249,7 @@ class RankState:
         self.data_group = mesh.group(config.data_axes)
         self.all_group = mesh.group(mesh.axis_names)
         # The tensor-parallel axes: the loss is the same on all their ranks and its
-        # cotangent is split between them. [Note: FSDP x TP] in _fsdp.py
+        # cotangent is split between them. [Note: FSDP x TP] in _fsdp_tp.py
         self.tp_axes = plan.tp_axes
         self.model_size = mesh.axis_size(plan.tp_axes) if plan.tp_axes else 1
         self.loss_checked = self.model_size == 1
