@@ -3,8 +3,8 @@
 `step = shard(loss_fn, mesh)`; `shards = step.shard_params(params)`; `step(shards, batch)`
 returns the loss averaged over the data axes, and its gradient with respect to `shards`
 (by `loss.backward()` or `torch.func.grad`) is the data-parallel mean gradient, already
-reduce-scattered to each rank's shard. Layout and schedule: _fsdp_plan.py and
-_fsdp_runtime.py.
+reduce-scattered to each rank's shard. Layout: _fsdp_plan.py; schedule: _fsdp_runtime.py;
+autograd: _fsdp_autograd.py; tensor parallelism (`param_specs`): _fsdp_tp.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from ._backend import ops
 from ._collectives import binding, bound_mesh
 from ._errors import ShardingError, SpecError
 from ._fsdp_plan import Plan, build_plan, copy_out, leaf_views, pack_shards
-from ._fsdp_runtime import GatherUnit, LossMean, RankState
+from ._fsdp_autograd import GatherUnit, LossMean
+from ._fsdp_runtime import RankState
 from ._agree import check_same_everywhere
 from ._autograd import eager_grad_and_value
 from ._lazy import make_view

@@ -33,7 +33,7 @@ __all__ = ["model_specs", "tp_axes", "reduce_axes", "check_nested_chunks", "comb
 # 'model' gets the contributions of all ranks through the collectives' backward, and a
 # weight replicated over 'model' (a LayerNorm) gets 1/|model| of its gradient on each
 # 'model' rank, summed by (2). Without tensor-parallel axes both are no-ops.
-# The runtime side: LossMean and UnitRuntime.finish_reduce in _fsdp_runtime.py.
+# The runtime side: LossMean (_fsdp_autograd.py) and UnitRuntime.finish_reduce (_fsdp_runtime.py).
 
 
 def model_specs(given: Any, params, paths, leaves, mesh, data_axes, shard_axes) -> list[PartitionSpec]:

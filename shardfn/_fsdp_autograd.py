@@ -1,0 +1,197 @@
+"""The autograd Functions of `shard`: they move a unit's parameters in (all-gather) and
+its gradients out (reduce-scatter), in reverse and forward mode and under vmap, by
+driving the per-rank schedule of _fsdp_runtime.py. [Note: backward order] there explains
+when their backward nodes run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import ops
+from ._errors import ShardingError
+from ._fsdp_plan import copy_out, leaf_views, pack_shards
+from ._fsdp_runtime import RankState
+
+__all__ = ["GatherUnit", "ReduceScatterUnit", "GatherStacked", "GatherTangent", "LossMean"]
+
+
+class GatherUnit(torch.autograd.Function):
+    """Shards of one unit -> its full leaves (views of the unit's unsharded buffer).
+
+    Backward: one reduce-scatter of the unit's gradients (through ReduceScatterUnit, so it
+    also works on functorch-wrapped cotangents)."""
+
+    @staticmethod
+    def forward(rs: RankState, u: int, *inputs):
+        rs.enter(u, inputs)
+        unit = rs.units[u]
+        n = len(unit.plan.sharded)
+        return tuple(unit.views()) + tuple(x.view_as(x) for x in inputs[n:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.rs, ctx.u = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.rs.unit_backward(ctx.u)
+        return (None, None) + tuple(ReduceScatterUnit.apply(ctx.rs, ctx.u, False, *grads))
+
+    @staticmethod
+    def jvp(ctx, _rs, _u, *tangents):
+        return tuple(GatherTangent.apply(ctx.rs, ctx.u, *tangents))
+
+    @staticmethod
+    def vmap(info, in_dims, rs, u, *inputs):
+        if all(d is None for d in in_dims[2:]):  # vmap over the batch: the shards are shared
+            outs = GatherUnit.apply(rs, u, *inputs)
+            return outs, (None,) * len(outs)
+        # [Note: stacked shards] vmap over an ensemble: every member's shards, stacked.
+        size = info.batch_size
+        stacked = [x.movedim(d, 0) if d is not None else x.unsqueeze(0).expand((size,) + tuple(x.shape))
+                   for x, d in zip(inputs, in_dims[2:])]
+        rs.units[u].stacked = True
+        outs = GatherStacked.apply(rs, u, *stacked)
+        return outs, (0,) * len(outs)
+
+
+class ReduceScatterUnit(torch.autograd.Function):
+    """A unit's full-leaf gradients -> this rank's shard gradients, one reduce-scatter.
+    `stacked`: the gradients carry a leading ensemble dim (GatherStacked's backward)."""
+
+    @staticmethod
+    def forward(rs: RankState, u: int, stacked: bool, *grads):
+        lead = (next(g.shape[0] for g in grads if g is not None),) if stacked else ()
+        return tuple(rs.units[u].reduce_gradients(list(grads), lead=lead))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *gg):
+        raise ShardingError("shard: differentiating through the gradient reduce-scatter (double backward) is not supported")
+
+    @staticmethod
+    def vmap(info, in_dims, rs, u, stacked, *grads):
+        if stacked:
+            raise ShardingError("shard: vmap over stacked shards nests once (one ensemble dimension)")
+        dims = in_dims[3:]
+        size = info.batch_size
+        front = []
+        for g, d in zip(grads, dims):
+            if g is None:
+                front.append(None)
+            elif d is None:
+                front.append(g.unsqueeze(0).expand((size,) + tuple(g.shape)))
+            else:
+                front.append(g.movedim(d, 0))
+        outs = rs.units[u].reduce_gradients(front, lead=(size,))
+        return tuple(outs), (0,) * len(outs)
+
+
+class GatherStacked(torch.autograd.Function):
+    """[Note: stacked shards] `vmap(step)` over stacked shards (an ensemble of B models,
+    each sharded like the params): the unit's shards of all B members travel in one
+    (B, S) all-gather and come back as (B, *leaf shape) full leaves. No freeing and no
+    prefetch: the gathered members stay alive until the backward (memory: B units per
+    unit touched). Backward: one reduce-scatter of the (k, B, S) gradients
+    (ReduceScatterUnit with `stacked`), the same path as per-example gradients."""
+
+    @staticmethod
+    def forward(rs: RankState, u: int, *inputs):
+        unit = rs.units[u]
+        plan = unit.plan
+        n = len(plan.sharded)
+        out = []
+        if plan.sharded:
+            size = inputs[0].shape[0]
+            pieces = []
+            for layout, x in zip(plan.sharded, inputs[:n]):
+                flat = x.reshape(size, -1).to(unit.dtype)
+                pieces.append(torch.nn.functional.pad(flat, (0, layout.chunk_numel - flat.shape[1])))
+            send = torch.cat(pieces, dim=1)  # (B, S)
+            rs.stats.collective("all_gather", plan.k * send.numel() * send.element_size())
+            gathered = ops.all_gather_async(rs.shard_group, send).wait()  # (k, B, S)
+            for layout in plan.sharded:
+                block = gathered.narrow(2, layout.offset, layout.chunk_numel).movedim(0, 1)  # (B, k, c * row)
+                full = block.reshape((size, plan.k * layout.chunk) + layout.shape[1:]).narrow(1, 0, layout.rows)
+                out.append(full.contiguous())
+        out.extend(x.view_as(x) for x in inputs[n:])
+        return tuple(out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.rs, ctx.u = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None) + tuple(ReduceScatterUnit.apply(ctx.rs, ctx.u, True, *grads))
+
+    @staticmethod
+    def vmap(info, in_dims, rs, u, *inputs):
+        raise ShardingError("shard: vmap over stacked shards nests once (one ensemble dimension)")
+
+
+class GatherTangent(torch.autograd.Function):
+    """Forward mode: the tangents of a unit's shards -> tangents of its full leaves."""
+
+    @staticmethod
+    def forward(rs: RankState, u: int, *tangents):
+        unit = rs.units[u]
+        plan = unit.plan
+        n = len(plan.sharded)
+        out = []
+        if plan.sharded:
+            zero = [t if t is not None else torch.zeros(l.local_shape(rs.shard_index, plan.k), dtype=unit.dtype, device=rs.device)
+                    for l, t in zip(plan.sharded, tangents[:n])]
+            send = pack_shards(plan, zero, unit.dtype, rs.device)
+            gathered = ops.all_gather_async(rs.shard_group, send).wait()
+            full = torch.empty(plan.full_numel, dtype=unit.dtype, device=rs.device)
+            copy_out(plan, gathered, full)
+            out.extend(leaf_views(plan, full))
+        out.extend(t if t is not None else torch.zeros(l.shape, dtype=l.dtype, device=rs.device)
+                   for l, t in zip(plan.replicated, tangents[n:]))
+        return tuple(out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *gs):
+        raise ShardingError("shard: reverse mode over forward mode through a unit gather is not supported")
+
+
+class LossMean(torch.autograd.Function):
+    """Mean of the per-rank loss over the data axes. Backward: scale by 1/N (no collective:
+    every rank seeds the same cotangent) and start re-gathering for the backward."""
+
+    @staticmethod
+    def forward(loss, rs: RankState):
+        if rs.config.check_finite:
+            rs.check_finite(loss, "the loss")
+        if not rs.loss_checked:
+            rs.check_loss_replicated(loss)
+        rs.stats.collective("all_reduce", loss.numel() * loss.element_size())
+        return ops.all_reduce(rs.data_group, loss) / rs.data_group.size
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.rs = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.rs.backward_start()
+        return g / (ctx.rs.data_group.size * ctx.rs.model_size), None
+
+    @staticmethod
+    def jvp(ctx, t, _):
+        from ._collectives import _Psum
+
+        return _Psum.apply(t, ctx.rs.data_group) / ctx.rs.data_group.size
+
+    @staticmethod
+    def vmap(info, in_dims, loss, rs):
+        return LossMean.apply(loss, rs), in_dims[0]
