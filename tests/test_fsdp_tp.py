@@ -487,3 +487,29 @@ def test_check_finite_stops_every_rank_of_both_axes():
     with pytest.raises(sf.NonFiniteError) as e:
         mesh.run(body)
     assert "the loss is NaN or infinite on ranks [2, 3]" in str(e.value)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [{"replica": 2, "shard": 2, "model": 2}, {"model": 2, "replica": 2, "shard": 2}],
+                         ids=["model-last", "model-first"])
+def test_hsdp_times_tp_on_8_processes_matches_single_device(shape):
+    """3-D meshes on real process groups (both axis orders): the eager fast path (deferred
+    reduce-scatters, then replica and 'model' all-reduces) and torch.func agree with one device."""
+    params, batch = init(1, h=8), batch_of(1)
+    want, want_loss = reference_grads(params, batch)
+
+    def body(mesh):
+        step = sf.shard(tp_loss, mesh, data_axes=("replica", "shard"), shard_axes="shard",
+                        param_specs=specs_for(params))
+        shards = step.shard_params(params)
+        fast, loss = step.grad_and_value(shards, data_batch(mesh, batch))
+        func = torch.func.grad(step)(shards, data_batch(mesh, batch))
+        return float(loss), step.unshard_params(fast), step.unshard_params(func)
+
+    results = run_on_mesh(body, shape, "distributed", timeout=60.0)
+    assert len(results) == 8
+    for loss, fast, func in results:
+        assert abs(loss - float(want_loss)) < 1e-12
+        assert_close(fast, want)
+        assert_close(func, want)
