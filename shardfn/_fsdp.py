@@ -417,8 +417,8 @@ def shard(
         split over the mesh axes that are not data axes, as a pytree prefix of params with
         an `sf.P(...)` (or None = replicated) per subtree, or a function `key_path -> P`;
         e.g. `P(None, "model")` for a column-parallel `x @ w` weight. `loss_fn` then sees
-        this rank's tensor-parallel blocks and may call collectives over those axes; every
-        rank of them gets the same batch, and the loss must be the same on all of them.
+        this rank's tensor-parallel blocks and may call collectives over those axes; the
+        loss must be the same on all of their ranks (checked on the first call).
         Gradients follow shard_map's transpose rule (docs/howto/fsdp-tp.md).
 
     Returns:

@@ -513,3 +513,47 @@ def test_hsdp_times_tp_on_8_processes_matches_single_device(shape):
         assert abs(loss - float(want_loss)) < 1e-12
         assert_close(fast, want)
         assert_close(func, want)
+
+
+def test_sequence_parallel_blocks_match_single_device():
+    """Megatron sequence parallelism inside shard: each 'model' rank holds a sequence chunk
+    of the activations (so its batch differs), LayerNorm runs on the chunk, all_gather over
+    'model' before the column-parallel matmul and psum_scatter after the row-parallel one;
+    the loss is psummed over 'model', and the gradient is the single-device one."""
+    B, T, D, H = 4, 8, 6, 16
+    g = torch.Generator().manual_seed(13)
+    params = {"layers": [{"ln": 1 + 0.1 * torch.randn(D, generator=g, dtype=F64),
+                          "w1": torch.randn(D, H, generator=g, dtype=F64) / D ** 0.5,
+                          "w2": torch.randn(H, D, generator=g, dtype=F64) / H ** 0.5} for _ in range(2)]}
+    specs = {"layers": [{"ln": None, "w1": P(None, "model"), "w2": P("model", None)}] * 2}
+    x, y = torch.randn(B, T, D, generator=g, dtype=F64), torch.randn(B, T, D, generator=g, dtype=F64)
+
+    def block(p, x, gather=lambda t: t, scatter=lambda t: t):
+        h = gather(torch.nn.functional.layer_norm(x, (D,), p["ln"]))  # (B, T / model, D) -> (B, T, D)
+        return x + scatter(torch.nn.functional.gelu(h @ p["w1"]) @ p["w2"])  # partial (B, T, D) -> (B, T / model, D)
+
+    def single(params, batch):
+        x, y = batch
+        for p in params["layers"]:
+            x = block(p, x)
+        return ((x - y) ** 2).mean()
+
+    def sequence_parallel(params, batch):
+        x, y = batch
+        for p in params["layers"]:
+            x = block(p, x, lambda t: sf.all_gather(t, "model", dim=1), lambda t: sf.psum_scatter(t, "model", dim=1))
+        return sf.psum(((x - y) ** 2).sum() / (x.shape[0] * T * D), "model")
+
+    want, want_loss = torch.func.grad_and_value(single)(params, (x, y))
+    mesh = mesh_of({"data": 2, "model": 2})
+    step = sf.shard(sequence_parallel, mesh, param_specs=specs)
+
+    def body():
+        d, m = mesh.coords["data"], mesh.coords["model"]
+        local = x.chunk(2)[d].chunk(2, dim=1)[m], y.chunk(2)[d].chunk(2, dim=1)[m]  # rows by 'data', tokens by 'model'
+        grads, loss = step.grad_and_value(step.shard_params(params), local)
+        return float(loss), step.unshard_params(grads)
+
+    for loss, grads in mesh.run(body):
+        assert abs(loss - float(want_loss)) < 1e-12
+        assert_close(grads, want)
