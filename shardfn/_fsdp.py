@@ -48,6 +48,7 @@ class _Config:
     shard_axes: tuple[str, ...]
     units: Callable[[tuple], Hashable] | None
     reshard_after_forward: bool
+    reshard_axes: tuple[str, ...] | None  # hpZ: re-gather in the backward over these shard axes only
     prefetch: int
     mixed_precision: MixedPrecision | None
     has_aux: bool
@@ -372,6 +373,41 @@ class Shard:
         return (loss, aux) if self.config.has_aux else loss
 
 
+def _reshard(value, mesh, shard_axes: tuple[str, ...]) -> tuple[bool, tuple[str, ...] | None]:
+    """`reshard_after_forward` -> (free after forward, hpZ sub-axes or None)."""
+    k = mesh.axis_size(shard_axes)
+    if isinstance(value, bool):
+        return value, None
+    if isinstance(value, int):
+        suffixes = {mesh.axis_size(shard_axes[i:]): shard_axes[i:] for i in range(len(shard_axes))}
+        if value == k:
+            return True, None
+        if 1 < value < k and value in suffixes:
+            return True, suffixes[value]
+        sizes = {a: mesh.shape[a] for a in shard_axes}
+        possible = sorted(s for s in suffixes if 1 < s < k)
+        groups = f"give groups of {possible} ranks" if possible else f"have no inner axes (only all {k} ranks)"
+        raise SpecError(
+            f"shard: reshard_after_forward={value}: an int means 're-gather in the backward within groups of "
+            f"{value} ranks' (FSDP2's form); here a group is the last shard axes, and shard_axes {shard_axes} "
+            f"(sizes {sizes}) {groups}.\nFix: name the axes, e.g. reshard_after_forward={shard_axes[-1]!r}, "
+            f"or shape the mesh so that inner shard axes have {value} ranks."
+        )
+    if isinstance(value, str) or (isinstance(value, tuple) and value and all(isinstance(a, str) for a in value)):
+        axes = mesh.axes(value, where="shard(reshard_after_forward=...)")
+        stray = [a for a in axes if a not in shard_axes]
+        if stray:
+            raise SpecError(
+                f"shard: reshard_after_forward={value!r} names {stray}, which are not shard axes {shard_axes}; "
+                f"it names the shard axes to re-gather over in the backward (hpZ).\nFix: pick some of {shard_axes}."
+            )
+        ordered = tuple(a for a in shard_axes if a in axes)
+        return True, (None if set(ordered) == set(shard_axes) else ordered)
+    raise SpecError(
+        f"shard: reshard_after_forward must be True, False, shard axis names or an int, got {value!r:.60}"
+    )
+
+
 def shard(
     loss_fn: Callable,
     mesh,
@@ -379,7 +415,7 @@ def shard(
     data_axes="data",
     shard_axes=None,
     units: Callable[[tuple], Hashable] | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | str | tuple[str, ...] | int = True,
     prefetch: int = 1,
     mixed_precision: MixedPrecision | None = None,
     has_aux: bool = False,
@@ -400,7 +436,11 @@ def shard(
         each element of the first list/tuple in the tree, plus one root unit).
       reshard_after_forward: release each unit's full parameters after the forward and
         gather them again in the backward (ZeRO-3); False keeps them until their gradient
-        is reduced (fewer all-gathers, more memory).
+        is reduced (fewer all-gathers, more memory). Some of the shard axes (a name or a
+        tuple; or an int, FSDP2's form, for the last shard axes of that size) keep 1/M of
+        each unit after the forward and re-gather it in the backward over those axes only
+        (ZeRO++ hpZ: e.g. `'gpu'` on `{'node': 2, 'gpu': 8}` keeps backward all-gathers
+        inside a node).
       prefetch: how many units ahead to all-gather asynchronously (order learned from the
         previous call).
       mixed_precision: `MixedPrecision(param_dtype, reduce_dtype, output_dtype)`.
@@ -455,8 +495,7 @@ def shard(
         if fn is not None and not callable(fn):
             raise SpecError(f"shard: {name} must be a function of a key path (or None), got {fn!r:.60}; "
                             f"e.g. {name}=lambda path: path[0] == 'layers'")
-    if not isinstance(reshard_after_forward, bool):
-        raise SpecError(f"shard: reshard_after_forward must be True or False, got {reshard_after_forward!r:.60}")
+    reshard, reshard_axes = _reshard(reshard_after_forward, mesh, sharded)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise SpecError(f"shard: prefetch must be a non-negative int, got {prefetch!r}")
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -471,6 +510,6 @@ def shard(
     if param_specs is not None and not (callable(param_specs) or isinstance(param_specs, (PartitionSpec, dict, list, tuple))):
         raise SpecError(f"shard: param_specs must be a tree of sf.P(...) (a prefix of params) or a function of a key "
                         f"path, got {param_specs!r:.60}")
-    config = _Config(data, sharded, units, bool(reshard_after_forward), prefetch, mixed_precision, has_aux, replicated,
+    config = _Config(data, sharded, units, reshard, reshard_axes, prefetch, mixed_precision, has_aux, replicated,
                      frozen, bool(check_finite), param_specs)
     return Shard(loss_fn, mesh, config)

@@ -80,7 +80,8 @@ class UnitRuntime:
         self.full: torch.Tensor | None = None  # 1-D, k * S elements, leaf-major (see _fsdp_plan)
         self._full_data: torch.Tensor | None = None  # `.data` of full: writes skip the version counter
         self.state = UnitState.SHARDED
-        self.pending = None  # (ops.Pending, recv buffer) while GATHERING
+        self.pending = None  # (ops.Pending, whether it gathers the hpZ rows) while GATHERING
+        self.kept: torch.Tensor | None = None  # (k / M, S): rows kept after the forward for hpZ
         self.shards: list[torch.Tensor] = []  # this step's plain shard tensors (sharded leaves)
         self.outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
         self.backward_done = False
@@ -109,10 +110,12 @@ class UnitRuntime:
         else:
             self._full_data.untyped_storage().resize_(self.nbytes)
         rs.stats.hold(self.nbytes)
-        send = pack_shards(self.plan, self.shards, self.dtype, rs.device)
-        pending = ops.all_gather_async(rs.shard_group, send)
+        if self.kept is not None:  # [Note: hpZ] re-gather from the kept rows, over the sub-group
+            pending = ops.all_gather_async(rs.hpz_group, self.kept)  # (M, k / M, S)
+        else:
+            pending = ops.all_gather_async(rs.shard_group, pack_shards(self.plan, self.shards, self.dtype, rs.device))
         rs.stats.collective("all_gather", self.nbytes)
-        self.pending = pending
+        self.pending = (pending, self.kept is not None)
         self.state = UnitState.GATHERING
 
     def finish_gather(self) -> None:
@@ -123,16 +126,28 @@ class UnitRuntime:
         if self.state is UnitState.SHARDED:
             self._start_gather()
         if self.state is UnitState.GATHERING:
-            gathered = self.pending.wait()  # (k, S), logical rank order
+            pending, from_kept = self.pending
+            gathered = pending.wait()  # (k, S) in logical rank order; (M, k / M, S) from the kept rows
             self.pending = None
+            rs = self.rs
+            if from_kept:
+                gathered = gathered.reshape(self.plan.k, -1).index_select(0, rs.hpz_order)
+            elif rs.hpz_keep is not None and rs.in_forward and not self.plan.is_root:
+                self.kept = gathered.index_select(0, rs.hpz_keep)  # (k / M, S), a copy
+                rs.stats.hold(self.kept.numel() * self.kept.element_size())
             copy_out(self.plan, gathered, self._full_data)
             self.state = UnitState.GATHERED
 
-    def free(self) -> None:
+    def free(self, keep: bool = False) -> None:
+        """Release the unsharded storage; `keep`: a forward-time release, which keeps the
+        hpZ rows (if any) for the backward's re-gather."""
+        if not keep and self.kept is not None:
+            self.rs.stats.hold(-self.kept.numel() * self.kept.element_size())
+            self.kept = None
         if not self.plan.sharded or self.state is UnitState.SHARDED:
             return
         if self.state is UnitState.GATHERING:
-            self.pending.wait()
+            self.pending[0].wait()
             self.pending = None
         self._full_data.untyped_storage().resize_(0)
         self.rs.stats.hold(-self.nbytes)
@@ -237,6 +252,38 @@ class UnitRuntime:
         return filled
 
 
+def hpz_rows(mesh, shard_axes: tuple[str, ...], sub_axes: tuple[str, ...]) -> tuple[list[int], list[int]]:
+    """[Note: hpZ] `reshard_after_forward=<axes>` (ZeRO++'s hpZ, FSDP2's int form): after
+    the forward a rank keeps, of each unit's gathered (k, S) buffer, the k / M rows of the
+    shard-group ranks that share its coordinates on the sub-axes (M ranks in all), i.e.
+    its own shard and those of its counterparts across the other shard axes. In the
+    backward the M ranks of its sub-axes group all-gather those rows, (M, k / M, S), which
+    is the whole buffer in another order: no traffic crosses the other shard axes (e.g.
+    nodes). Memory: 1/M of each unit between its forward and its backward.
+
+    Returns `(keep, order)`: the shard-group rows this rank keeps (ordered by their index
+    over the other axes), and for each row j its position in the flattened re-gather."""
+    def ravel(coords, axes):
+        index = 0
+        for a in axes:
+            index = index * mesh.shape[a] + coords[a]
+        return index
+
+    def unravel(j):
+        coords = {}
+        for a in reversed(shard_axes):
+            j, coords[a] = divmod(j, mesh.shape[a])
+        return coords
+
+    outer = tuple(a for a in shard_axes if a not in sub_axes)
+    k, m = mesh.axis_size(shard_axes), mesh.axis_size(sub_axes)
+    mine = ravel(mesh.coords, sub_axes)
+    rows = [unravel(j) for j in range(k)]
+    keep = sorted((j for j in range(k) if ravel(rows[j], sub_axes) == mine), key=lambda j: ravel(rows[j], outer))
+    order = [ravel(c, sub_axes) * (k // m) + ravel(c, outer) for c in rows]
+    return keep, order
+
+
 class RankState:
     """Everything `shard` keeps for one rank: unit runtimes, access order, statistics."""
 
@@ -253,6 +300,12 @@ class RankState:
         self.tp_axes = plan.tp_axes
         self.model_size = mesh.axis_size(plan.tp_axes) if plan.tp_axes else 1
         self.loss_checked = self.model_size == 1
+        self.hpz_group = self.hpz_keep = self.hpz_order = None
+        if config.reshard_axes:  # [Note: hpZ]
+            self.hpz_group = mesh.group(config.reshard_axes)
+            keep, order = hpz_rows(mesh, config.shard_axes, config.reshard_axes)
+            self.hpz_keep = torch.tensor(keep, device=mesh.device)
+            self.hpz_order = torch.tensor(order, device=mesh.device)
         replica_axes = tuple(a for a in config.data_axes if a not in config.shard_axes)
         self.replica_group = mesh.group(replica_axes) if replica_axes and mesh.axis_size(replica_axes) > 1 else None
         self.shard_index = self.shard_group.index
@@ -347,7 +400,7 @@ class RankState:
         if self.config.reshard_after_forward:
             for i in self.order:
                 if not self.units[i].plan.is_root:
-                    self.units[i].free()
+                    self.units[i].free(keep=True)
 
     # -- the schedule ---------------------------------------------------------------------
     def enter(self, u: int, inputs: tuple) -> None:
@@ -359,7 +412,7 @@ class RankState:
         if self.config.reshard_after_forward and not unit.plan.is_root:
             for other in self.units:
                 if other is not unit and not other.plan.is_root and other.state is UnitState.GATHERED:
-                    other.free()
+                    other.free(keep=True)
         unit.finish_gather()
         self._prefetch_after(u, self.prev_order)
 
