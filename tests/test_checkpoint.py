@@ -17,19 +17,11 @@ from shardfn._spec import block_index, chunk_bounds
 from shardfn.testing import RankProcessError, run_on_mesh
 from shardfn.testing._ddp import local_batch
 from shardfn.testing.models import GPT, GPTConfig, mlp_loss, mlp_params
+from collective_cases import mesh_for as mesh_of  # one simulated mesh per shape, per session
 
 P = sf.P
 D = torch.float64
 SIZES = [5, 7, 3]  # dim 0 of 5 over 4 ranks: blocks 2, 2, 1, 0 (uneven and empty)
-_MESHES: dict = {}
-
-
-def mesh_of(shape: dict) -> sf.Mesh:
-    """One simulated mesh per shape for the whole module (group start-up is the cost)."""
-    key = tuple(shape.items())
-    if key not in _MESHES:
-        _MESHES[key] = sf.local_mesh(shape)
-    return _MESHES[key]
 
 
 def block(x: torch.Tensor, spec, coords, mesh_shape) -> torch.Tensor:

@@ -11,17 +11,10 @@ import torch
 import shardfn as sf
 from shardfn.testing._ddp import local_batch
 from shardfn.testing.models import GPT, GPTConfig, mlp_loss, mlp_params
+from collective_cases import mesh_for as mesh_of  # one simulated mesh per shape, per session
 
 F64 = torch.float64
 B = 3  # ensemble members
-_MESHES: dict = {}
-
-
-def mesh_of(shape: dict) -> sf.Mesh:
-    key = tuple(shape.items())
-    if key not in _MESHES:
-        _MESHES[key] = sf.local_mesh(shape, timeout=30)
-    return _MESHES[key]
 
 
 def stack(trees):

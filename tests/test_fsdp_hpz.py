@@ -15,6 +15,7 @@ from shardfn._backend import ops
 from shardfn.testing import run_on_mesh
 from shardfn.testing._ddp import local_batch
 from shardfn.testing.models import mlp_loss, mlp_params
+from collective_cases import mesh_for as mesh_of  # one simulated mesh per shape, per session
 
 F64 = torch.float64
 ROWS = 24  # divisible by every world size used (4, 6, 8): no empty per-rank batch
@@ -25,14 +26,6 @@ CASES = [
     ({"gpu": 2, "node": 2}, ("node", "gpu"), ("gpu",), ("gpu",)),  # shard axes in another order than the mesh's
     ({"replica": 2, "node": 2, "gpu": 2}, ("node", "gpu"), "gpu", ("gpu",)),  # HSDP + hpZ
 ]
-_MESHES: dict = {}
-
-
-def mesh_of(shape: dict) -> sf.Mesh:
-    key = tuple(shape.items())
-    if key not in _MESHES:
-        _MESHES[key] = sf.local_mesh(shape, timeout=30)
-    return _MESHES[key]
 
 
 def setup(seed=0):

@@ -17,18 +17,11 @@ from hypothesis import strategies as st
 import shardfn as sf
 import shardfn.checkpoint as ckpt
 from shardfn.testing import reference_training, run_on_mesh
+from collective_cases import mesh_for as mesh_of  # one simulated mesh per shape, per session
 
 P = sf.P
 F64 = torch.float64
 LAYER_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": None, "scale": None}
-_MESHES: dict = {}
-
-
-def mesh_of(shape: dict) -> sf.Mesh:
-    key = tuple(shape.items())
-    if key not in _MESHES:
-        _MESHES[key] = sf.local_mesh(shape, timeout=30)
-    return _MESHES[key]
 
 
 def init(seed: int, d: int = 6, h: int = 8, layers: int = 2, d_out: int = 3, dtype=F64):
