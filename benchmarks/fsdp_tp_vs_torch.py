@@ -34,9 +34,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import shardfn as sf  # noqa: E402
 from shardfn.testing import run_multiprocess  # noqa: E402
+from fsdp_vs_ddp import shardfn_trainer, torch_trainer  # noqa: E402  (the same trainers as the 1-D benchmark)
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
-LR = 1e-3
 
 
 class Block(nn.Module):
@@ -87,27 +87,9 @@ def tp_loss(params, batch):
     return F.mse_loss(F.linear(x, params["head"]["weight"], params["head"]["bias"]), y)
 
 
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
 def method_shardfn(args, mesh, batch):
     _, params = sf.functional(build(args))
-    step = sf.shard(tp_loss, mesh, data_axes="data", param_specs=spec_of)
-    opt = sf.optim.adamw(LR, weight_decay=0.0, inplace=True)
-    train = sf.train_step(step, opt, inplace=True)
-    state = {"shards": step.shard_params(params)}
-    state["opt"] = opt.init(state["shards"])
-
-    def one():
-        state["shards"], state["opt"], loss = train(state["shards"], state["opt"], batch)
-        return float(loss)
-
-    def nbytes():  # shards + grads (their size) + AdamW state
-        leaves = torch.utils._pytree.tree_leaves
-        return 2 * tensor_bytes(leaves(state["shards"])) + tensor_bytes(leaves(state["opt"]))
-
-    return one, nbytes
+    return shardfn_trainer(sf.shard(tp_loss, mesh, data_axes="data", param_specs=spec_of), params, batch)
 
 
 def method_torch(args, mesh, batch):
@@ -121,28 +103,7 @@ def method_torch(args, mesh, batch):
         parallelize_module(block, dm["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         fully_shard(block, mesh=dm["dp"])
     fully_shard(model, mesh=dm["dp"])
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=True)
-
-    def one():
-        opt.zero_grad(set_to_none=True)
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        mean = loss.detach().clone()
-        mean = mean.full_tensor() if hasattr(mean, "full_tensor") else mean
-        torch.distributed.all_reduce(mean)
-        return float(mean) / torch.distributed.get_world_size()  # 'model' ranks hold the same loss
-
-    def nbytes():
-        def local(t):
-            return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-        params = [local(p) for p in model.parameters()]
-        grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
-        states = [local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
-        return tensor_bytes(params) + tensor_bytes(grads) + tensor_bytes(states)
-
-    return one, nbytes
+    return torch_trainer(model, batch)  # the mean over all ranks = over 'dp' ('tp' ranks hold the same loss)
 
 
 METHODS = {"shardfn": method_shardfn, "torch": method_torch}

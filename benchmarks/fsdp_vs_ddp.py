@@ -55,10 +55,9 @@ def tensor_bytes(tensors) -> int:
 # -- the methods: each returns (step() -> loss, state_bytes() -> int, extra) ---------------
 
 
-def method_shardfn(name, mesh, batch, tiny):
-    apply_fn, params = sf.functional(build_model(name, tiny))
-    step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
-    # In-place AdamW, like torch.optim: state and shards are updated in their buffers.
+def shardfn_trainer(step, params, batch):
+    """`(one step -> mean loss, state bytes)` of `sf.train_step` on a shard step, with
+    in-place AdamW like torch.optim (state and shards are updated in their buffers)."""
     opt = sf.optim.adamw(LR, weight_decay=0.0, inplace=True)
     train = sf.train_step(step, opt, inplace=True)
     state = {"shards": step.shard_params(params)}
@@ -72,7 +71,13 @@ def method_shardfn(name, mesh, batch, tiny):
         leaves = torch.utils._pytree.tree_leaves
         return 2 * tensor_bytes(leaves(state["shards"])) + tensor_bytes(leaves(state["opt"]))
 
-    return one, nbytes, step
+    return one, nbytes
+
+
+def method_shardfn(name, mesh, batch, tiny):
+    apply_fn, params = sf.functional(build_model(name, tiny))
+    step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
+    return (*shardfn_trainer(step, params, batch), step)
 
 
 def _torch_opt_bytes(model, opt):
@@ -93,11 +98,12 @@ def method_fsdp2(name, mesh, batch, tiny):
     for block in blocks:
         fully_shard(block)
     fully_shard(model)
-    return _torch_method(model, batch)
+    return (*torch_trainer(model, batch), None)
 
 
-def _torch_method(model, batch):
-    """One step of a torch-wrapped model (FSDP2 or DDP) with AdamW(foreach); mean loss."""
+def torch_trainer(model, batch):
+    """`(one step -> mean loss over ranks, state bytes)` of a torch-wrapped model (FSDP2,
+    DDP, DTensor) with AdamW(foreach)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=True)
 
     def one():
@@ -109,13 +115,13 @@ def _torch_method(model, batch):
         torch.distributed.all_reduce(mean)
         return float(mean) / torch.distributed.get_world_size()
 
-    return one, lambda: _torch_opt_bytes(model, opt), None
+    return one, lambda: _torch_opt_bytes(model, opt)
 
 
 def method_ddp(name, mesh, batch, tiny):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return _torch_method(DDP(build_model(name, tiny)), batch)
+    return (*torch_trainer(DDP(build_model(name, tiny)), batch), None)
 
 
 METHODS = {"shardfn": method_shardfn, "fsdp2": method_fsdp2, "ddp": method_ddp}
