@@ -23,7 +23,7 @@ Example:
   [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
 """
 
-from ._checkpoint._api import PendingSave as PendingSave
+from ._checkpoint._async import PendingSave as PendingSave
 from ._checkpoint._api import contents as contents
 from ._checkpoint._api import export_full as export_full
 from ._checkpoint._api import load as load
