@@ -1,0 +1,221 @@
+"""The prepared accelerator check: shardfn on CUDA tensors, in one short run.
+
+For a session that is lent a GPU machine (one GPU): it checks the device-agnostic paths
+that the CPU test suite cannot, and prints one PASS/FAIL line per check (plus a JSON
+report under $OUT when that is set). Every check compares against a reference computed
+in the same run.
+
+    python scripts/device_check.py                  # CUDA if available, else CPU (a dry run)
+    python scripts/device_check.py --device cpu     # the dry run: what CI could run
+
+Checks:
+  1. nccl-1rank   NCCL process group (world 1) + sf.shard GPT, 5 AdamW steps == plain
+                  torch training on the same device (fp32, 1e-4).
+  2. bf16         the same with MixedPrecision(bf16, fp32): finite, within 5e-2.
+  3. collectives  shard_map psum / all_gather / psum_scatter / ppermute / all_to_all on
+                  device tensors, values and gradients == single device.
+  4. checkpoint   async save of device shards + AdamW state, load back: bit-identical.
+  5. ensembles    vmap over stacked shards on the device == a loop over members.
+  6. gloo-2rank   2 processes on the one device over gloo with device tensors (the
+                  collective fallbacks): 3 SGD steps == one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import shardfn as sf  # noqa: E402
+import shardfn.checkpoint as ckpt  # noqa: E402
+from shardfn.testing import run_multiprocess  # noqa: E402
+from shardfn.testing.models import GPT, GPTConfig, mlp_loss, mlp_params  # noqa: E402
+
+RESULTS: dict[str, dict] = {}
+
+
+def check(name: str):
+    def wrap(fn):
+        def run(*args):
+            t0 = time.perf_counter()
+            try:
+                detail = fn(*args)
+                RESULTS[name] = {"ok": True, "detail": detail}
+            except Exception as err:  # noqa: BLE001 - every check reports, none stops the others
+                RESULTS[name] = {"ok": False, "detail": f"{type(err).__name__}: {err}",
+                                 "traceback": traceback.format_exc()}
+            RESULTS[name]["seconds"] = round(time.perf_counter() - t0, 2)
+            status = "PASS" if RESULTS[name]["ok"] else "FAIL"
+            print(f"{status} {name:12s} {RESULTS[name]['seconds']:6.2f} s  {RESULTS[name]['detail']}", flush=True)
+        return run
+    return wrap
+
+
+def gpt_batches(cfg, device, n=5, rows=4):
+    g = torch.Generator().manual_seed(1)
+    return [tuple(torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), generator=g).to(device) for _ in range(2))
+            for _ in range(n)]
+
+
+def torch_reference(cfg, device, batches):
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for idx, tgt in batches:
+        opt.zero_grad()
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def shard_losses(mesh, cfg, batches, mp=None):
+    torch.manual_seed(0)
+    apply_fn, params = sf.functional(GPT(cfg).to(mesh.device))
+    step = sf.shard(lambda p, b: apply_fn(p, *b), mesh, mixed_precision=mp)
+    opt = sf.optim.adamw(1e-3)
+    train = sf.train_step(step, opt)
+    shards = step.shard_params(params)
+    state = opt.init(shards)
+    losses = []
+    for batch in batches:
+        shards, state, loss = train(shards, state, batch)
+        losses.append(float(loss))
+    return losses, step, shards, state
+
+
+@check("nccl-1rank")
+def check_train(mesh, cfg):
+    batches = gpt_batches(cfg, mesh.device)
+    want = torch_reference(cfg, mesh.device, batches)
+    got = shard_losses(mesh, cfg, batches)[0]
+    diff = max(abs(a - b) for a, b in zip(got, want))
+    assert diff < 1e-4, (got, want)
+    return f"backend {torch.distributed.get_backend()}, device {mesh.device}, max |dloss| {diff:.2e} over 5 steps"
+
+
+@check("bf16")
+def check_bf16(mesh, cfg):
+    batches = gpt_batches(cfg, mesh.device)
+    want = torch_reference(cfg, mesh.device, batches)
+    got = shard_losses(mesh, cfg, batches, sf.MixedPrecision(torch.bfloat16, torch.float32))[0]
+    diff = max(abs(a - b) for a, b in zip(got, want))
+    assert all(x == x for x in got) and diff < 5e-2, (got, want)
+    return f"max |dloss| vs fp32 torch {diff:.2e}"
+
+
+@check("collectives")
+def check_collectives(mesh):
+    x = torch.randn(4, 6, device=mesh.device, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        y = sf.psum(x, "data") + sf.all_gather(x, "data") + sf.psum_scatter(x, "data")
+        y = y + sf.ppermute(x, "data", [(0, 0)]) + sf.all_to_all(x, "data", 0, 1)
+        return (y ** 2).sum()
+
+    loss = sf.shard_map(f, mesh, sf.P("data"), sf.P())
+    grads = mesh.run(lambda: torch.autograd.grad(loss(x), x)[0])[0]
+    want = torch.autograd.grad(((5 * x) ** 2).sum(), x)[0]  # world 1: every collective is the identity
+    assert torch.allclose(grads, want), (grads, want)
+    return f"5 collectives and their transposes on {x.device}"
+
+
+@check("checkpoint")
+def check_checkpoint(mesh, cfg):
+    _, step, shards, state = shard_losses(mesh, cfg, gpt_batches(cfg, mesh.device, n=2))
+    specs = {"params": step.specs, "opt": ckpt.specs_like(state, step.specs, shards)}
+    path = os.path.join(tempfile.mkdtemp(), "step_000002")
+    ckpt.save(path, {"params": shards, "opt": state}, mesh, specs, blocking=False).wait()
+    like = {"params": shards, "opt": state}
+    back = ckpt.load(path, like, mesh, specs)
+    pairs = list(zip(torch.utils._pytree.tree_leaves(back), torch.utils._pytree.tree_leaves(like)))
+    assert all(a.device == b.device and torch.equal(a, b) for a, b in pairs if isinstance(a, torch.Tensor))
+    return f"{len(pairs)} leaves round-tripped on {mesh.device}"
+
+
+@check("ensembles")
+def check_ensembles(mesh):
+    g = torch.Generator().manual_seed(3)
+    members = [torch.utils._pytree.tree_map(lambda t: t.to(mesh.device), mlp_params(g, [5, 7, 3])) for _ in range(3)]
+    batch = (torch.randn(8, 5, generator=g).to(mesh.device), torch.randn(8, 3, generator=g).to(mesh.device))
+    step = sf.shard(mlp_loss, mesh)
+    shards = [step.shard_params(p) for p in members]
+    stacked = torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *shards)
+    got = torch.func.vmap(torch.func.grad(step), in_dims=(0, None))(stacked, batch)
+    loop = [torch.func.grad(step)(s, batch) for s in shards]
+    want = torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *loop)
+    diff = max((a - b).abs().max().item() for a, b in zip(torch.utils._pytree.tree_leaves(got),
+                                                          torch.utils._pytree.tree_leaves(want)))
+    assert diff < 1e-5, diff
+    return f"3 members, max |dgrad| {diff:.1e}"
+
+
+@check("gloo-2rank")
+def check_gloo_two_ranks(device: str):
+    g = torch.Generator().manual_seed(4)
+    params = mlp_params(g, [6, 8, 3])
+    batch = (torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g))
+
+    def body():
+        mesh = sf.init_mesh({"data": 2}, device=device, timeout=60)
+        step = sf.shard(mlp_loss, mesh)
+        shards = step.shard_params(params)
+        local = tuple(t.chunk(2)[mesh.rank].to(mesh.device) for t in batch)
+        for _ in range(3):
+            grads = torch.func.grad(step)(shards, local)
+            shards = torch.utils._pytree.tree_map(lambda p, q: p - 0.1 * q, shards, grads)
+        return torch.utils._pytree.tree_map(lambda t: t.cpu(), step.unshard_params(shards))
+
+    got = run_multiprocess(body, 2, timeout=120)[0]
+    ref = params
+    for _ in range(3):
+        grads = torch.func.grad(lambda p: sum(mlp_loss(p, tuple(t.chunk(2)[r] for t in batch)) for r in range(2)) / 2)(ref)
+        ref = torch.utils._pytree.tree_map(lambda p, q: p - 0.1 * q, ref, grads)
+    diff = max((a - b).abs().max().item() for a, b in zip(torch.utils._pytree.tree_leaves(got),
+                                                          torch.utils._pytree.tree_leaves(ref)))
+    assert diff < 1e-5, diff
+    return f"params after 3 steps, max |d| {diff:.1e}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, device {args.device}", flush=True)
+    check_gloo_two_ranks(args.device)  # first: it forks, and a forked child must not inherit a CUDA context
+    if args.device == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name(0)}", flush=True)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": os.environ.get("MASTER_PORT", "29517")}.items():
+        os.environ.setdefault(key, value)
+    mesh = sf.init_mesh({"data": 1}, backend="nccl" if args.device == "cuda" else "gloo",
+                        device="cuda:0" if args.device == "cuda" else "cpu", timeout=120)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    check_train(mesh, cfg)
+    check_bf16(mesh, cfg)
+    check_collectives(mesh)
+    check_checkpoint(mesh, cfg)
+    check_ensembles(mesh)
+    torch.distributed.destroy_process_group()
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "device_check.json"), "w") as f:
+            json.dump(RESULTS, f, indent=2)
+    failed = [name for name, r in RESULTS.items() if not r["ok"]]
+    print(f"{len(RESULTS) - len(failed)}/{len(RESULTS)} passed" + (f"; failed: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
