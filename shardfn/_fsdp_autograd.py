@@ -15,6 +15,21 @@ from ._fsdp_runtime import RankState
 
 __all__ = ["GatherUnit", "ReduceScatterUnit", "GatherStacked", "GatherTangent", "LossMean"]
 
+_NESTED_STACKING = "shard: vmap over stacked shards nests once (one ensemble dimension)"
+
+
+def _batch_first(xs, dims, size: int) -> list:
+    """A vmap rule's inputs with their batch dim first; unbatched ones expanded to `size`."""
+    out = []
+    for x, d in zip(xs, dims):
+        if x is None:
+            out.append(None)
+        elif d is None:
+            out.append(x.unsqueeze(0).expand((size,) + tuple(x.shape)))
+        else:
+            out.append(x.movedim(d, 0))
+    return out
+
 
 class GatherUnit(torch.autograd.Function):
     """Shards of one unit -> its full leaves (views of the unit's unsharded buffer).
@@ -48,11 +63,8 @@ class GatherUnit(torch.autograd.Function):
             outs = GatherUnit.apply(rs, u, *inputs)
             return outs, (None,) * len(outs)
         # [Note: stacked shards] vmap over an ensemble: every member's shards, stacked.
-        size = info.batch_size
-        stacked = [x.movedim(d, 0) if d is not None else x.unsqueeze(0).expand((size,) + tuple(x.shape))
-                   for x, d in zip(inputs, in_dims[2:])]
         rs.units[u].stacked = True
-        outs = GatherStacked.apply(rs, u, *stacked)
+        outs = GatherStacked.apply(rs, u, *_batch_first(inputs, in_dims[2:], info.batch_size))
         return outs, (0,) * len(outs)
 
 
@@ -76,18 +88,8 @@ class ReduceScatterUnit(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, rs, u, stacked, *grads):
         if stacked:
-            raise ShardingError("shard: vmap over stacked shards nests once (one ensemble dimension)")
-        dims = in_dims[3:]
-        size = info.batch_size
-        front = []
-        for g, d in zip(grads, dims):
-            if g is None:
-                front.append(None)
-            elif d is None:
-                front.append(g.unsqueeze(0).expand((size,) + tuple(g.shape)))
-            else:
-                front.append(g.movedim(d, 0))
-        outs = rs.units[u].reduce_gradients(front, lead=(size,))
+            raise ShardingError(_NESTED_STACKING)
+        outs = rs.units[u].reduce_gradients(_batch_first(grads, in_dims[3:], info.batch_size), lead=(info.batch_size,))
         return tuple(outs), (0,) * len(outs)
 
 
@@ -107,11 +109,7 @@ class GatherStacked(torch.autograd.Function):
         out = []
         if plan.sharded:
             size = inputs[0].shape[0]
-            pieces = []
-            for layout, x in zip(plan.sharded, inputs[:n]):
-                flat = x.reshape(size, -1).to(unit.dtype)
-                pieces.append(torch.nn.functional.pad(flat, (0, layout.chunk_numel - flat.shape[1])))
-            send = torch.cat(pieces, dim=1)  # (B, S)
+            send = pack_shards(plan, inputs[:n], unit.dtype, rs.device, lead=(size,))  # (B, S)
             rs.stats.collective("all_gather", plan.k * send.numel() * send.element_size())
             gathered = ops.all_gather_async(rs.shard_group, send).wait()  # (k, B, S)
             for layout in plan.sharded:
@@ -131,7 +129,7 @@ class GatherStacked(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, rs, u, *inputs):
-        raise ShardingError("shard: vmap over stacked shards nests once (one ensemble dimension)")
+        raise ShardingError(_NESTED_STACKING)
 
 
 class GatherTangent(torch.autograd.Function):

@@ -226,16 +226,18 @@ def _regions(sharded: list[LeafLayout]) -> list[tuple[tuple[str, ...], int, int]
 # -- flat buffers ------------------------------------------------------------------------
 
 
-def pack_shards(unit: UnitPlan, shards: list[torch.Tensor], dtype: torch.dtype, device) -> torch.Tensor:
-    """Copy-in: this rank's shards -> the (S,) shard buffer in `dtype`, zero-padded."""
+def pack_shards(unit: UnitPlan, shards: list[torch.Tensor], dtype: torch.dtype, device,
+                lead: tuple[int, ...] = ()) -> torch.Tensor:
+    """Copy-in: this rank's shards (leading dims `lead`) -> the (*lead, S) shard buffer in
+    `dtype`, zero-padded."""
     pieces = []
     for layout, shard in zip(unit.sharded, shards):
-        flat = shard.reshape(-1).to(dtype)
-        pad = layout.chunk_numel - flat.numel()
+        flat = shard.reshape(lead + (-1,)).to(dtype)
+        pad = layout.chunk_numel - flat.shape[-1]
         pieces.append(torch.nn.functional.pad(flat, (0, pad)) if pad else flat)
     if not pieces:
-        return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+        return torch.empty(lead + (0,), dtype=dtype, device=device)
+    return torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0].contiguous()
 
 
 def region_views(unit: UnitPlan, full: torch.Tensor) -> list[torch.Tensor]:
