@@ -31,6 +31,7 @@ from . import _fsdp_tp as tp
 
 __all__ = ["shard", "Shard", "MixedPrecision"]
 
+
 class MixedPrecision(NamedTuple):
     """Dtypes for `shard`: shards (master weights) keep theirs; gathers and compute run in
     `param_dtype`, gradient reductions in `reduce_dtype`, the loss is returned in
@@ -88,7 +89,6 @@ class Shard:
         self._lock = threading.Lock()
         self._last_plan: Plan | None = None
         self._states: dict[tuple[int, int], RankState] = {}
-        self._model_specs_of: dict[Any, list[PartitionSpec]] = {}  # treedef -> per-leaf param_specs
         self.__wrapped__ = loss_fn
 
     # -- params <-> shards ----------------------------------------------------------------
@@ -105,8 +105,7 @@ class Shard:
         model_specs = tp.model_specs(self.config.param_specs, params, paths, leaves, mesh, self.config.data_axes,
                                      self.config.shard_axes)
         # With tensor parallelism the shard group splits this rank's tensor-parallel block.
-        blocks = [_slice_block(x, s, mesh) if isinstance(x, torch.Tensor) and s.axes else x
-                  for x, s in zip(leaves, model_specs)]
+        blocks = [_slice_block(x, s, mesh) if s.axes else x for x, s in zip(leaves, model_specs)]
         signature = (treedef, tuple((tuple(getattr(x, 'shape', ())), getattr(x, 'dtype', type(x))) for x in blocks))
         with self._lock:  # rank threads share one plan per signature (and so its RankStates)
             plan = self._by_signature.get(signature)
@@ -115,11 +114,10 @@ class Shard:
                 plan = build_plan(_tree.unflatten(treedef, blocks), mesh.axis_size(self.config.shard_axes),
                                   self.config.units, self.config.replicated, self.config.frozen,
                                   [tp.reduce_axes(s, tp_axes, mesh) for s in model_specs])
-                plan.tp_axes = tp_axes
+                plan.tp_axes, plan.model_specs = tp_axes, model_specs
                 self._by_signature[signature] = plan
             self._plans[(self._rank(), treedef)] = plan
             self._last_plan = plan
-            self._model_specs_of[treedef] = model_specs
         tp.check_nested_chunks(plan, leaves, model_specs, mesh, self.config.shard_axes)
         index = mesh.group(self.config.shard_axes).index
         shards = []
@@ -161,7 +159,7 @@ class Shard:
                 for layout, view in zip(unit.sharded, leaf_views(unit, full)):
                     full_leaves[layout.index] = view.clone()
             full_leaves = [_plain(x) for x in full_leaves]
-            for i, spec in enumerate(self._model_specs_of.get(treedef, ())):
+            for i, spec in enumerate(plan.model_specs or ()):
                 if spec.axes:  # the tensor-parallel blocks -> the global leaf
                     full_leaves[i] = _gather_blocks(full_leaves[i], spec, self.mesh)
         return _tree.unflatten(treedef, full_leaves)
@@ -172,7 +170,7 @@ class Shard:
         if self._last_plan is None:
             raise ShardingError("step.specs: call step.shard_params(params) first; the specs describe its shards")
         plan = self._last_plan
-        model_specs = self._model_specs_of.get(plan.treedef) or [PartitionSpec()] * len(plan.leaves)
+        model_specs = plan.model_specs or [PartitionSpec()] * len(plan.leaves)
         axes = self.config.shard_axes
         return _tree.unflatten(plan.treedef, [tp.combined_spec(l.sharded, m, axes) for l, m in zip(plan.leaves, model_specs)])
 

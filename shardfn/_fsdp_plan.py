@@ -99,6 +99,7 @@ class Plan:
     unit_of: list[int]  # leaf index -> unit index
     k: int
     tp_axes: tuple[str, ...] = ()  # the axes param_specs name (tensor parallelism), mesh order
+    model_specs: list | None = None  # per leaf, its param_specs entry (PartitionSpec); None: no TP
 
 
 def default_unit(paths: list[tuple]) -> Callable[[tuple], Hashable]:

@@ -207,7 +207,7 @@ class UnitRuntime:
         for axes, start, stop in self.plan.regions:
             region = flat.narrow(-1, start, stop - start)
             rs.stats.collective("all_reduce", region.numel() * region.element_size())
-            region.copy_(ops.all_reduce(rs.group(axes), region))
+            region.copy_(ops.all_reduce(rs.mesh.group(axes), region))
 
     def _hold_gradients(self, sharded_grads, repl_grads, lead) -> list[torch.Tensor]:
         """Accumulation without communication: add the unsharded grads to a local buffer and
@@ -237,7 +237,7 @@ class UnitRuntime:
             if layout.dtype.is_floating_point:
                 by_axes.setdefault(rs.config.data_axes + layout.reduce_axes, []).append(i)
         for axes, floats in by_axes.items():
-            group = rs.group(axes)
+            group = rs.mesh.group(axes)
             if group.size == 1:
                 continue
             dtype = rs.reduce_dtype or torch.promote_types(*(filled[i].dtype for i in floats), torch.float32)
@@ -297,7 +297,6 @@ class RankState:
         self.all_group = mesh.group(mesh.axis_names)
         # The tensor-parallel axes: the loss is the same on all their ranks and its
         # cotangent is split between them. [Note: FSDP x TP] in _fsdp_tp.py
-        self.tp_axes = plan.tp_axes
         self.model_size = mesh.axis_size(plan.tp_axes) if plan.tp_axes else 1
         self.loss_checked = self.model_size == 1
         self.hpz_group = self.hpz_keep = self.hpz_order = None
@@ -334,9 +333,6 @@ class RankState:
             and all(layout.dtype == reduce_dtype for layout in plan.sharded)
         )
 
-    def group(self, axes: tuple[str, ...]):
-        return self.mesh.group(axes)
-
     def finish_deferred(self, complete: bool = True) -> None:
         """Wait for the deferred reduce-scatters; when the backward completed, finish them
         (after a failure, no further collective is started)."""
@@ -352,10 +348,10 @@ class RankState:
         from ._shard_map import replicated_mismatch
 
         self.loss_checked = True
-        axes = self.tp_axes
+        axes = self.plan.tp_axes
+        group = self.mesh.group(axes)
         self.stats.collective("all_reduce", 4 * 8)  # two float64 fingerprints and their negations
-        if replicated_mismatch(self.group(axes), [loss])[0]:
-            group = self.group(axes)
+        if replicated_mismatch(group, [loss])[0]:
             raise ShardingError(
                 f"shard: the loss differs across mesh axes {axes} (ranks {list(group.ranks)}, seen on rank "
                 f"{group.ranks[group.index]}), the tensor-parallel axes of param_specs: shard treats every "
