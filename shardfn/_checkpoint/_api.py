@@ -21,7 +21,7 @@ from ._errors import (
     listing,
 )
 from ._keys import KeyMap, Leaf, add_aliases, mapper, named_leaves
-from ._async import PendingSave, staged
+from ._async import PendingSave, finish_save, staged
 from ._layout import Entry, Ranks, agree, chunk_of, global_shapes, manifest
 
 __all__ = ["save", "load", "export_full", "contents"]
@@ -84,7 +84,7 @@ def save(path, tree: Any, mesh, specs: Any = None, *, key_map: KeyMap = None,
       >>> sf.checkpoint.load(path, {"w": torch.zeros(5), "step": 0}, None)
       {'w': tensor([0., 1., 2., 3., 4.]), 'step': 1}
     """
-    from ._dcp import save_plan, write_blocks
+    from ._dcp import finish, save_plan, write_blocks
 
     who = "sf.checkpoint.save"
     path = os.fspath(path)
@@ -107,36 +107,25 @@ def save(path, tree: Any, mesh, specs: Any = None, *, key_map: KeyMap = None,
     shapes = global_shapes(per_rank, who)  # the same answer (or error) on every rank
     plans = [save_plan(entries, shapes) for entries in per_rank]
     blocks = {leaf.key: leaf.value for leaf in mine["leaves"]}
+    if not blocking:  # [Note: async save]: the writer thread works on a copy
+        blocks = {key: staged(value) for key, value in blocks.items()}
     tmp = _files.temp_path(path, save_id)
 
     def write():
         results, mine["metadata"], mine["writer"] = write_blocks(tmp, path, ranks.rank, plans, blocks)
         return results
 
-    if not blocking:  # [Note: async save]
-        blocks = {k: staged(v) for k, v in blocks.items()}
-        return PendingSave(path, tmp, ranks, write, lambda results: _publish(path, tmp, save_id, ranks, mine,
-                                                                             per_rank, results))
+    def publish(results):  # rank 0: DCP's `.metadata`, then the marker and the atomic rename
+        if ranks.rank == 0:
+            finish(mine["writer"], mine["metadata"], results)
+            info = {"world_size": ranks.size, "mesh": ranks.shape,
+                    "specs": {e.key: _spec_text(leaf) for e, leaf in zip(per_rank[0], mine["leaves"])}}
+            _files.publish(tmp, path, _files.describe(info), save_id)
 
-    try:
-        results = agree(ranks, write, who)
-        agree(ranks, lambda: _publish(path, tmp, save_id, ranks, mine, per_rank, results), who)
-    except Exception:
-        if ranks.rank == 0:  # the save failed somewhere: leave no partial directory behind
-            _files.discard(tmp)
-        raise
+    if not blocking:
+        return PendingSave(path, tmp, ranks, write, publish)
+    finish_save(ranks, tmp, write, publish, who)
     return path
-
-
-def _publish(path, tmp, save_id, ranks, mine, per_rank, results) -> None:
-    """Rank 0: DCP's `.metadata`, then the marker and the atomic rename."""
-    from ._dcp import finish
-
-    if ranks.rank == 0:
-        finish(mine["writer"], mine["metadata"], results)
-        info = {"world_size": ranks.size, "mesh": ranks.shape,
-                "specs": {e.key: _spec_text(leaf) for e, leaf in zip(per_rank[0], mine["leaves"])}}
-        _files.publish(tmp, path, _files.describe(info), save_id)
 
 
 def _spec_text(leaf: Leaf) -> str:

@@ -12,7 +12,19 @@ from . import _files
 from ._errors import CheckpointError
 from ._layout import Ranks, agree
 
-__all__ = ["PendingSave", "staged"]
+__all__ = ["PendingSave", "staged", "finish_save"]
+
+
+def finish_save(ranks: Ranks, tmp: str, written: Callable[[], Any], publish: Callable[[Any], None], who: str) -> None:
+    """The collective end of every save: every rank's write results (or the first error,
+    raised on every rank), then rank 0 publishes; on any failure rank 0 removes `tmp`."""
+    try:
+        results = agree(ranks, written, who)
+        agree(ranks, lambda: publish(results), who)
+    except Exception:
+        if ranks.rank == 0:  # the save failed somewhere: leave no partial directory behind
+            _files.discard(tmp)
+        raise
 
 
 def staged(value):
@@ -80,13 +92,7 @@ class PendingSave:
                 raise self._outcome["error"]
             return self._outcome["results"]
 
-        try:
-            results = agree(self._ranks, written, who)
-            agree(self._ranks, lambda: self._publish(results), who)
-        except Exception:
-            if self._ranks.rank == 0:
-                _files.discard(self._tmp)
-            raise
+        finish_save(self._ranks, self._tmp, written, self._publish, who)
         return self.path
 
     def __repr__(self) -> str:
