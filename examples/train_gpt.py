@@ -138,7 +138,7 @@ def init_params(params, seed: int):
 # each block needs one psum over 'model' after attention and one after the MLP. The
 # same parameters as the module's, with c_attn viewed as (3, C_out, C_in) so that
 # splitting dim 1 gives every rank its heads of q, k and v. `sf.shard(...,
-# param_specs=TP_SPECS)` gives loss_fn this rank's blocks and FSDP-shards them over
+# param_specs=tp_spec)` gives loss_fn this rank's blocks and FSDP-shards them over
 # 'data'; the gradients follow shard_map's transpose rule (see docs/howto/fsdp-tp.md).
 
 
@@ -255,7 +255,8 @@ def train(mesh, cfg: Config, args, apply_fn, params, data):
     rank0 = mesh.rank == 0
     progress = Progress(cfg.steps, start, enabled=rank0 and not args.quiet)
     static_bytes = 2 * tree_bytes(shards) + tree_bytes(opt_state)  # shards + their grads + AdamW state
-    data_rank, data_size = step_data_rank(mesh, data_axes)  # 'model' ranks share their data rank's batch
+    data_group = mesh.group(data_axes)  # 'model' ranks share their data rank's batch
+    data_rank, data_size = data_group.index, data_group.size
     tokens = cfg.batch_size * cfg.block_size * data_size
     pending = None  # the asynchronous save in flight, if any
     for it in range(start, cfg.steps):
@@ -282,14 +283,6 @@ def train(mesh, cfg: Config, args, apply_fn, params, data):
     mesh.all_reduce(table, None)  # every rank's row, on every rank
     full = step.unshard_params(shards)
     return losses, from_tp(full, cfg) if tp else full, table.long().tolist()
-
-
-def step_data_rank(mesh, data_axes) -> tuple[int, int]:
-    """(this rank's index over the data axes, their size): which batch it reads."""
-    index, size = 0, 1
-    for axis in data_axes:
-        index, size = index * mesh.shape[axis] + mesh.coords[axis], size * mesh.shape[axis]
-    return index, size
 
 
 # -- checkpoints (sf.checkpoint) ------------------------------------------------------

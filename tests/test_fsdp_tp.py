@@ -6,8 +6,6 @@ are split over 'model', row-parallel ones psummed over 'model', and a LayerNorm-
 scale replicated over it.
 """
 
-import math
-
 import optree
 import pytest
 import torch
@@ -55,11 +53,8 @@ def tp_loss(params, batch):
 
 def data_batch(mesh, batch):
     """This rank's batch: its chunk over the data axes; the same on every 'model' rank."""
-    d = math.prod(n for a, n in mesh.shape.items() if a != "model")
-    index = 0
-    for a, n in mesh.shape.items():
-        if a != "model":
-            index = index * n + mesh.coords[a]
+    group = mesh.group(tuple(a for a in mesh.axis_names if a != "model"))
+    d, index = group.size, group.index
     return optree.tree_map(lambda t: t.chunk(d)[index] if index < len(t.chunk(d)) else t[:0], batch)
 
 
