@@ -204,7 +204,8 @@ class Shard:
 
     # -- gradient accumulation ------------------------------------------------------------
     def accumulate(self, shards, micro_batches, *rest, mode: str = "reduce_each"):
-        """`(loss, grads)` of one step over several micro-batches, equal to one big batch.
+        """`(grads, loss)` of one step over several micro-batches, equal to one big batch
+        (the order of `torch.func.grad_and_value` and `Shard.grad_and_value`).
 
         Args:
           shards: this rank's shards.
@@ -217,8 +218,8 @@ class Shard:
             step; memory: + one full-model gradient buffer in reduce dtype).
 
         Returns:
-          The mean loss over micro-batches and the mean gradient, shaped like `shards`
-          (with `has_aux`, `((loss, [aux, ...]), grads)`).
+          The mean gradient, shaped like `shards`, and the mean loss over micro-batches
+          (with `has_aux`, `(grads, (loss, [aux, ...]))`).
         """
         if mode not in ("reduce_each", "reduce_once"):
             raise SpecError(f"shard.accumulate: mode must be 'reduce_each' or 'reduce_once', got {mode!r}")
@@ -244,7 +245,7 @@ class Shard:
         m = len(micro_batches)
         mean_loss = total_loss / m
         grads = _tree.tree_map(lambda g: g / m, total)
-        return ((mean_loss, auxes) if self.config.has_aux else mean_loss), grads
+        return grads, ((mean_loss, auxes) if self.config.has_aux else mean_loss)
 
     # -- the step -------------------------------------------------------------------------
     def _plan_for(self, shards) -> Plan:

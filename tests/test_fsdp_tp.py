@@ -228,7 +228,7 @@ def test_accumulate_equals_the_big_batch(mode):
 
     def body():
         x, y = data_batch(mesh, batch)
-        loss, grads = step.accumulate(step.shard_params(params), list(zip(x.chunk(2), y.chunk(2))), mode=mode)
+        grads, loss = step.accumulate(step.shard_params(params), list(zip(x.chunk(2), y.chunk(2))), mode=mode)
         return float(loss), step.unshard_params(grads)
 
     for loss, grads in mesh.run(body):

@@ -181,7 +181,7 @@ def test_accumulation_equals_big_batch(mode):
         shards = step.shard_params(params)
         x, y = local_batch(batch, mesh.rank, 2)  # 8 rows: 4 micro-batches of 2
         micro = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]
-        loss, grads = step.accumulate(shards, micro, mode=mode)
+        grads, loss = step.accumulate(shards, micro, mode=mode)
         return float(loss), step.unshard_params(grads), step.stats()
 
     units = 3
@@ -212,7 +212,7 @@ def test_accumulation_and_precision_policies_property(micro, world, mode, dtype,
         shards = step.shard_params(params)
         x, y = local_batch(batch, mesh.rank, world)
         micro_batches = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 2 * micro, 2)]
-        _, grads = step.accumulate(shards, micro_batches, mode=mode)
+        grads, _ = step.accumulate(shards, micro_batches, mode=mode)
         return step.unshard_params(grads)
 
     tol = 1e-5 if dtype is None else 5e-2
@@ -274,7 +274,7 @@ def test_policies_over_mesh_shapes_property(shape, micro, mode, dtype, seed):
     def body():
         shards = step.shard_params(params)
         x, y = local_batch(batch, mesh.rank, world)
-        _, grads = step.accumulate(shards, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 2 * micro, 2)], mode=mode)
+        grads, _ = step.accumulate(shards, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 2 * micro, 2)], mode=mode)
         return step.unshard_params(grads)
 
     tol = 1e-5 if dtype is None else 5e-2
