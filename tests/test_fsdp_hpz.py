@@ -82,11 +82,12 @@ def test_hpz_keeps_one_mth_of_each_unit_between_forward_and_backward():
         step(step.shard_params(params), local_batch(batch, mesh.rank, 4))  # forward only
         state = next(s for (r, _), s in step._states.items() if r == mesh.rank)
         return [None if u.kept is None else tuple(u.kept.shape) for u in state.units], \
-            [u.plan.shard_numel for u in state.units]
+            [u.plan.shard_numel for u in state.units], [u.state.name for u in state.units]
 
-    for kept, numel in mesh.run(body):
+    for kept, numel, states in mesh.run(body):
         # each of the 3 layer units keeps 2 of the 4 rows of its gathered (4, S) buffer
         assert kept == [(2, n) for n in numel]
+        assert states == ["SHARDED_POST_FORWARD"] * 3
 
 
 def test_hpz_training_with_adamw_is_bit_identical():

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._autograd import eager_grad_and_value
+from .._fsdp.eager import eager_grad_and_value
 from .base import GradientTransformation, apply_updates
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from . import _tree
+from .. import _tree
 
 __all__ = ["eager_grad_and_value"]
 

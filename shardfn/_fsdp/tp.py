@@ -13,17 +13,17 @@ from typing import Any, Callable
 
 import torch
 
-from . import _tree
-from ._errors import ShardingError, SpecError
-from ._fsdp_plan import Plan
-from ._spec import PartitionSpec, block_index, chunk_bounds, entry_axes, validate_spec
+from .. import _tree
+from .._errors import ShardingError, SpecError
+from .._spec import PartitionSpec, block_index, chunk_bounds, entry_axes, validate_spec
 
-__all__ = ["model_specs", "tp_axes", "reduce_axes", "check_nested_chunks", "combined_spec", "collective_axes_check"]
+__all__ = ["tp_specs", "tp_axes", "reduce_axes", "check_nested_chunks", "combined_spec", "collective_axes_check"]
 
-# [Note: FSDP x TP] `shard` is shard_map over the whole mesh with the params sharded and
+# [Note: FSDP x TP]
+# `shard` is shard_map over the whole mesh with the params sharded and
 # the loss replicated, so it follows shard_map's transpose rule (_shard_map.py, JEP 17111):
 #   (1) the loss's out spec is P(): its cotangent is divided by the size of every mesh
-#       axis: 1/|data axes| (the mean) and 1/|other axes| (LossMean.backward);
+#       axis: 1/|data axes| (the mean) and 1/|tensor-parallel axes| (LossMean.backward);
 #   (2) a parameter's cotangent is psummed over every axis its spec omits: over the shard
 #       axes by the reduce-scatter, over the other data axes by HSDP's all-reduce, and
 #       over the tensor-parallel axes that `param_specs` does not name by an all-reduce of
@@ -33,10 +33,10 @@ __all__ = ["model_specs", "tp_axes", "reduce_axes", "check_nested_chunks", "comb
 # 'model' gets the contributions of all ranks through the collectives' backward, and a
 # weight replicated over 'model' (a LayerNorm) gets 1/|model| of its gradient on each
 # 'model' rank, summed by (2). Without tensor-parallel axes both are no-ops.
-# The runtime side: LossMean (_fsdp_autograd.py) and UnitRuntime.finish_reduce (_fsdp_runtime.py).
+# The runtime side: LossMean (autograd.py) and reduce.finish_reduce (reduce.py).
 
 
-def model_specs(given: Any, params, paths, leaves, mesh, data_axes, shard_axes) -> list[PartitionSpec]:
+def tp_specs(given: Any, params, paths, leaves, mesh, data_axes, shard_axes) -> list[PartitionSpec]:
     """Per leaf, its spec over the tensor-parallel axes (`param_specs`; P() without it), checked."""
     if given is None:
         return [PartitionSpec()] * len(leaves)
@@ -76,7 +76,7 @@ def reduce_axes(spec: PartitionSpec, tp: tuple[str, ...], mesh) -> tuple[str, ..
     return tuple(a for a in tp if a not in named and mesh.shape[a] > 1)
 
 
-def check_nested_chunks(plan: Plan, leaves, specs: list[PartitionSpec], mesh, shard_axes) -> None:
+def check_nested_chunks(plan, leaves, specs: list[PartitionSpec], mesh, shard_axes) -> None:
     """Where param_specs and shard both split dim 0, the shard group's chunks of each
     tensor-parallel block must be the torch.chunk blocks of the combined spec (what
     `step.specs` reports and checkpoints use): true when dim 0 splits evenly."""
@@ -101,14 +101,14 @@ def check_nested_chunks(plan: Plan, leaves, specs: list[PartitionSpec], mesh, sh
                     )
 
 
-def combined_spec(sharded: bool, model: PartitionSpec, shard_axes: tuple[str, ...]) -> PartitionSpec:
+def combined_spec(sharded: bool, tp_spec: PartitionSpec, shard_axes: tuple[str, ...]) -> PartitionSpec:
     """A leaf's spec: its tensor-parallel spec, with dim 0 also split over the shard axes
     (minor to the tensor-parallel axes of dim 0) when shard shards it."""
     if not sharded:
-        return model
-    axes = entry_axes(model[0] if model else None) + shard_axes
+        return tp_spec
+    axes = entry_axes(tp_spec[0] if tp_spec else None) + shard_axes
     entry = axes[0] if len(axes) == 1 else axes
-    return PartitionSpec(entry, *model[1:])
+    return PartitionSpec(entry, *tp_spec[1:])
 
 
 def collective_axes_check(data_axes: tuple[str, ...], tp: tuple[str, ...]) -> Callable[[str, tuple[str, ...]], None]:

@@ -3,84 +3,39 @@
 `step = shard(loss_fn, mesh)`; `shards = step.shard_params(params)`; `step(shards, batch)`
 returns the loss averaged over the data axes, and its gradient with respect to `shards`
 (by `loss.backward()` or `torch.func.grad`) is the data-parallel mean gradient, already
-reduce-scattered to each rank's shard. Layout: _fsdp_plan.py; schedule: _fsdp_runtime.py;
-autograd: _fsdp_autograd.py; tensor parallelism (`param_specs`): _fsdp_tp.py.
+reduce-scattered to each rank's shard. The file map is in `shardfn/_fsdp/__init__.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from typing import Any, Callable, Hashable, NamedTuple
+from typing import Any, Callable, Hashable
 
 import torch
 
-from . import _tree
-from ._backend import ops
-from ._collectives import binding, bound_mesh
-from ._errors import ShardingError, SpecError
-from ._fsdp_plan import Plan, build_plan, copy_out, leaf_views, pack_shards
-from ._fsdp_autograd import GatherUnit, LossMean
-from ._fsdp_runtime import RankState
-from ._agree import check_same_everywhere
-from ._autograd import eager_grad_and_value
-from ._lazy import make_view
-from ._shard_map import _gather_blocks, _slice_block
-from ._spec import PartitionSpec, chunk_bounds
-from . import _fsdp_tp as tp
+from .. import _tree
+from .._agree import check_same_everywhere
+from .._backend import ops
+from .._collectives import binding, bound_mesh
+from .._errors import ShardingError, SpecError
+from .._shard_map import _gather_blocks, _slice_block
+from .._spec import chunk_bounds
+from . import tp
+from .autograd import plain
+from .config import Config, MixedPrecision, make_config
+from .eager import eager_grad_and_value
+from .plan import Plan, build_plan, copy_out, leaf_views, pack_shards
+from .reduce import Stats
+from .runtime import RankState, StepMode
+from .view import make_view
 
-__all__ = ["shard", "Shard", "MixedPrecision"]
-
-
-class MixedPrecision(NamedTuple):
-    """Dtypes for `shard`: shards (master weights) keep theirs; gathers and compute run in
-    `param_dtype`, gradient reductions in `reduce_dtype`, the loss is returned in
-    `output_dtype`; floating batch tensors are cast to `param_dtype` when `cast_inputs`."""
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
-    cast_inputs: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    data_axes: tuple[str, ...]
-    shard_axes: tuple[str, ...]
-    units: Callable[[tuple], Hashable] | None
-    reshard_after_forward: bool
-    reshard_axes: tuple[str, ...] | None  # hpZ: re-gather in the backward over these shard axes only
-    prefetch: int
-    mixed_precision: MixedPrecision | None
-    has_aux: bool
-    replicated: Callable[[tuple], bool] | None
-    frozen: Callable[[tuple], bool] | None
-    check_finite: bool
-    param_specs: Any = None  # spec tree (prefix of params) or `path -> spec`, over non-data axes
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The tensor under any functorch wrappers (same storage), detached."""
-    unwrap = torch._C._functorch
-    while unwrap.is_functorch_wrapped_tensor(t):
-        t = unwrap.get_unwrapped(t)
-    return t.detach()
-
-
-def _stacked(t: torch.Tensor) -> bool:
-    """Whether `t` is batched by a vmap (an ensemble of shards; see [Note: stacked shards])."""
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(t):
-        if functorch.is_batchedtensor(t):
-            return True
-        t = functorch.get_unwrapped(t)
-    return False
+__all__ = ["shard", "Shard"]
 
 
 class Shard:
     """The callable returned by `sf.shard`. See `shard` for the arguments."""
 
-    def __init__(self, loss_fn: Callable, mesh, config: _Config):
+    def __init__(self, loss_fn: Callable, mesh, config: Config):
         self.loss_fn = loss_fn
         self.mesh = mesh
         self.config = config
@@ -100,25 +55,24 @@ class Shard:
         rank passed the same structure, shapes and dtypes.
         """
         mesh = self.mesh
+        cfg = self.config
         paths, leaves, treedef = _tree.flatten_with_paths(params)
         self._check_same_everywhere(paths, leaves)
-        model_specs = tp.model_specs(self.config.param_specs, params, paths, leaves, mesh, self.config.data_axes,
-                                     self.config.shard_axes)
+        tp_specs = tp.tp_specs(cfg.param_specs, params, paths, leaves, mesh, cfg.data_axes, cfg.shard_axes)
         # With tensor parallelism the shard group splits this rank's tensor-parallel block.
-        blocks = [_slice_block(x, s, mesh) if s.axes else x for x, s in zip(leaves, model_specs)]
+        blocks = [_slice_block(x, s, mesh) if s.axes else x for x, s in zip(leaves, tp_specs)]
         signature = (treedef, tuple((tuple(getattr(x, 'shape', ())), getattr(x, 'dtype', type(x))) for x in blocks))
         with self._lock:  # rank threads share one plan per signature (and so its RankStates)
             plan = self._by_signature.get(signature)
             if plan is None:
-                tp_axes = tp.tp_axes(mesh, model_specs)
-                plan = build_plan(_tree.unflatten(treedef, blocks), mesh.axis_size(self.config.shard_axes),
-                                  self.config.units, self.config.replicated, self.config.frozen,
-                                  [tp.reduce_axes(s, tp_axes, mesh) for s in model_specs])
-                plan.tp_axes, plan.model_specs = tp_axes, model_specs
+                tp_axes = tp.tp_axes(mesh, tp_specs)
+                plan = build_plan(_tree.unflatten(treedef, blocks), mesh.axis_size(cfg.shard_axes), cfg.units,
+                                  cfg.replicated, cfg.frozen, tp_axes=tp_axes, tp_specs=tp_specs,
+                                  reduce_axes=[tp.reduce_axes(s, tp_axes, mesh) for s in tp_specs])
                 self._by_signature[signature] = plan
             self._plans[(self._rank(), treedef)] = plan
             self._last_plan = plan
-        tp.check_nested_chunks(plan, leaves, model_specs, mesh, self.config.shard_axes)
+        tp.check_nested_chunks(plan, leaves, tp_specs, mesh, cfg.shard_axes)
         index = mesh.group(self.config.shard_axes).index
         shards = []
         for layout, leaf in zip(plan.leaves, blocks):
@@ -152,14 +106,14 @@ class Shard:
                 if not unit.sharded:
                     continue
                 dtype = unit.dtype
-                send = pack_shards(unit, [_plain(leaves[l.index]) for l in unit.sharded], dtype, self.mesh.device)
+                send = pack_shards(unit, [plain(leaves[l.index]) for l in unit.sharded], dtype, self.mesh.device)
                 gathered = ops.all_gather_async(group, send).wait()
                 full = torch.empty(unit.full_numel, dtype=dtype, device=self.mesh.device)
                 copy_out(unit, gathered, full)
                 for layout, view in zip(unit.sharded, leaf_views(unit, full)):
                     full_leaves[layout.index] = view.clone()
-            full_leaves = [_plain(x) for x in full_leaves]
-            for i, spec in enumerate(plan.model_specs or ()):
+            full_leaves = [plain(x) for x in full_leaves]
+            for i, spec in enumerate(plan.tp_specs):
                 if spec.axes:  # the tensor-parallel blocks -> the global leaf
                     full_leaves[i] = _gather_blocks(full_leaves[i], spec, self.mesh)
         return _tree.unflatten(treedef, full_leaves)
@@ -170,9 +124,8 @@ class Shard:
         if self._last_plan is None:
             raise ShardingError("step.specs: call step.shard_params(params) first; the specs describe its shards")
         plan = self._last_plan
-        model_specs = plan.model_specs or [PartitionSpec()] * len(plan.leaves)
         axes = self.config.shard_axes
-        return _tree.unflatten(plan.treedef, [tp.combined_spec(l.sharded, m, axes) for l, m in zip(plan.leaves, model_specs)])
+        return _tree.unflatten(plan.treedef, [tp.combined_spec(l.sharded, s, axes) for l, s in zip(plan.leaves, plan.tp_specs)])
 
     def stats(self) -> dict[str, int]:
         """Collective bytes, count and peak gathered bytes of this rank's last call."""
@@ -180,8 +133,7 @@ class Shard:
         for (r, _), state in self._states.items():
             if r == rank:
                 return dict(state.stats.values)
-        return dict.fromkeys(("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "num_collectives",
-                              "peak_gathered_bytes"), 0)
+        return dict.fromkeys(Stats.KEYS, 0)
 
     # -- gradients ------------------------------------------------------------------------
     def grad_and_value(self, shards, batch, *rest):
@@ -191,13 +143,13 @@ class Shard:
         the end: the fast path that `sf.train_step` takes. Leaves without a gradient get zeros.
         """
         state = self._state(self._plan_for(shards))
-        state.defer = True
+        state.mode = StepMode.DEFERRED
         done = False
         try:
             grads, out = eager_grad_and_value(self, shards, batch, *rest, has_aux=self.config.has_aux)
             done = True
         finally:
-            state.defer = False
+            state.mode = StepMode.EAGER
             state.finish_deferred(complete=done)
         value = (out[0].detach(), out[1]) if self.config.has_aux else out.detach()
         return grads, value
@@ -228,11 +180,11 @@ class Shard:
             raise SpecError("shard.accumulate: micro_batches is empty")
         state = self._state(self._plan_for(shards))
         state.stats.reset()
-        state.keep_stats = True
         total_loss, total, auxes = None, None, []
         try:
             for i, batch in enumerate(micro_batches):
-                state.accumulating = mode == "reduce_once" and i < len(micro_batches) - 1
+                hold = mode == "reduce_once" and i < len(micro_batches) - 1
+                state.mode = StepMode.ACCUMULATE_HOLD if hold else StepMode.ACCUMULATE
                 grads, out = torch.func.grad_and_value(self, has_aux=self.config.has_aux)(shards, batch, *rest)
                 loss = out[0] if self.config.has_aux else out
                 if self.config.has_aux:
@@ -240,8 +192,7 @@ class Shard:
                 total_loss = loss if total_loss is None else total_loss + loss
                 total = grads if total is None else _tree.tree_map(torch.add, total, grads)
         finally:
-            state.accumulating = False
-            state.keep_stats = False
+            state.mode = StepMode.EAGER
         m = len(micro_batches)
         mean_loss = total_loss / m
         grads = _tree.tree_map(lambda g: g / m, total)
@@ -317,40 +268,11 @@ class Shard:
         plan = self._plan_for(shards)
         paths, leaves, treedef = _tree.flatten_with_paths(shards)
         state = self._state(plan)
-        self._check_shards(plan, paths, leaves, state.shard_index)
+        self._check_shards(plan, paths, leaves, state.groups.shard_index)
         device = next((x.device for x in leaves), mesh.device)
         batch = self._prepare_batch(batch, device, plan)
-        with torch.no_grad():
-            state.begin_step([_plain(x) for x in leaves])
-
-        def resolve(i: int):
-            if not state.in_forward:
-                raise ShardingError(
-                    f"shard: params{_tree.keystr(plan.leaves[i].path)} was read outside the forward of the "
-                    f"step. Units are gathered only while loss_fn runs, and with reshard_after_forward=True "
-                    f"each unit's full parameters are released after the forward.\nFix: read parameters "
-                    f"inside loss_fn; for evaluation use step.unshard_params(shards)."
-                )
-            u = plan.unit_of[i]
-            unit = state.units[u]
-            if unit.outputs is None:
-                order = unit.plan.sharded + unit.plan.replicated
-                if unit.plan.frozen and _stacked(leaves[order[0].index]):  # vmap over an ensemble
-                    with torch.no_grad():
-                        outs = GatherUnit.apply(state, u, *[leaves[l.index] for l in order])
-                elif unit.plan.frozen:  # gathered, but no gradient: no autograd node at all
-                    with torch.no_grad():
-                        inputs = [_plain(leaves[l.index]) for l in order]
-                        state.enter(u, inputs)
-                        outs = unit.views() + inputs[len(unit.plan.sharded):]
-                else:
-                    outs = GatherUnit.apply(state, u, *[leaves[l.index] for l in order])
-                unit.outputs = {l.index: o for l, o in zip(order, outs)}
-            else:
-                state.regather_in_forward(u)
-            return unit.outputs[i]
-
-        view = make_view(treedef, len(leaves), resolve)
+        state.begin_step(leaves)
+        view = make_view(treedef, len(leaves), state.leaf)
         try:
             with binding(mesh, tp.collective_axes_check(self.config.data_axes, plan.tp_axes)):
                 out = self.loss_fn(view, batch, *rest)
@@ -365,46 +287,11 @@ class Shard:
                 f"shard: loss_fn must return a scalar tensor (0-dim), got {what}.\nFix: reduce it, e.g. "
                 f"loss.mean(); to return more, use has_aux=True and return (loss, aux)."
             )
-        loss = LossMean.apply(loss, state)
+        loss = state.loss_mean(loss)
         mp = self.config.mixed_precision
         if mp is not None and mp.output_dtype is not None:
             loss = loss.to(mp.output_dtype)
         return (loss, aux) if self.config.has_aux else loss
-
-
-def _reshard(value, mesh, shard_axes: tuple[str, ...]) -> tuple[bool, tuple[str, ...] | None]:
-    """`reshard_after_forward` -> (free after forward, hpZ sub-axes or None)."""
-    k = mesh.axis_size(shard_axes)
-    if isinstance(value, bool):
-        return value, None
-    if isinstance(value, int):
-        suffixes = {mesh.axis_size(shard_axes[i:]): shard_axes[i:] for i in range(len(shard_axes))}
-        if value == k:
-            return True, None
-        if 1 < value < k and value in suffixes:
-            return True, suffixes[value]
-        sizes = {a: mesh.shape[a] for a in shard_axes}
-        possible = sorted(s for s in suffixes if 1 < s < k)
-        groups = f"give groups of {possible} ranks" if possible else f"have no inner axes (only all {k} ranks)"
-        raise SpecError(
-            f"shard: reshard_after_forward={value}: an int means 're-gather in the backward within groups of "
-            f"{value} ranks' (FSDP2's form); here a group is the last shard axes, and shard_axes {shard_axes} "
-            f"(sizes {sizes}) {groups}.\nFix: name the axes, e.g. reshard_after_forward={shard_axes[-1]!r}, "
-            f"or shape the mesh so that inner shard axes have {value} ranks."
-        )
-    if isinstance(value, str) or (isinstance(value, tuple) and value and all(isinstance(a, str) for a in value)):
-        axes = mesh.axes(value, where="shard(reshard_after_forward=...)")
-        stray = [a for a in axes if a not in shard_axes]
-        if stray:
-            raise SpecError(
-                f"shard: reshard_after_forward={value!r} names {stray}, which are not shard axes {shard_axes}; "
-                f"it names the shard axes to re-gather over in the backward (hpZ).\nFix: pick some of {shard_axes}."
-            )
-        ordered = tuple(a for a in shard_axes if a in axes)
-        return True, (None if set(ordered) == set(shard_axes) else ordered)
-    raise SpecError(
-        f"shard: reshard_after_forward must be True, False, shard axis names or an int, got {value!r:.60}"
-    )
 
 
 def shard(
@@ -482,33 +369,8 @@ def shard(
       >>> mesh.run(train)
       [(2, 1), (2, 1)]
     """
-    data = mesh.axes(data_axes, where="shard(data_axes=...)")
-    sharded = data if shard_axes is None else mesh.axes(shard_axes, where="shard(shard_axes=...)")
-    stray = [a for a in sharded if a not in data]
-    if stray:
-        raise SpecError(
-            f"shard: shard_axes {sharded} must be a subset of data_axes {data}; {stray} are not data axes.\n"
-            f"Fix: add them to data_axes (HSDP: data_axes=('replica', 'shard'), shard_axes='shard')."
-        )
-    for name, fn in (("units", units), ("replicated", replicated), ("frozen", frozen)):
-        if fn is not None and not callable(fn):
-            raise SpecError(f"shard: {name} must be a function of a key path (or None), got {fn!r:.60}; "
-                            f"e.g. {name}=lambda path: path[0] == 'layers'")
-    reshard, reshard_axes = _reshard(reshard_after_forward, mesh, sharded)
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise SpecError(f"shard: prefetch must be a non-negative int, got {prefetch!r}")
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise SpecError("shard: mixed_precision must be sf.MixedPrecision(param_dtype=..., reduce_dtype=...)")
-    if mixed_precision is not None:
-        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
-            dtype = getattr(mixed_precision, field)
-            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-                raise SpecError(f"shard: MixedPrecision.{field} must be a floating torch.dtype or None, got {dtype!r:.60}")
-    if not callable(loss_fn):
-        raise SpecError(f"shard: loss_fn must be callable, got {loss_fn!r:.60}")
-    if param_specs is not None and not (callable(param_specs) or isinstance(param_specs, (PartitionSpec, dict, list, tuple))):
-        raise SpecError(f"shard: param_specs must be a tree of sf.P(...) (a prefix of params) or a function of a key "
-                        f"path, got {param_specs!r:.60}")
-    config = _Config(data, sharded, units, reshard, reshard_axes, prefetch, mixed_precision, has_aux, replicated,
-                     frozen, bool(check_finite), param_specs)
+    config = make_config(loss_fn, mesh, data_axes=data_axes, shard_axes=shard_axes, units=units,
+                         reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+                         mixed_precision=mixed_precision, has_aux=has_aux, replicated=replicated, frozen=frozen,
+                         check_finite=check_finite, param_specs=param_specs)
     return Shard(loss_fn, mesh, config)

@@ -1,21 +1,51 @@
 """The autograd Functions of `shard`: they move a unit's parameters in (all-gather) and
 its gradients out (reduce-scatter), in reverse and forward mode and under vmap, by
-driving the per-rank schedule of _fsdp_runtime.py. [Note: backward order] there explains
-when their backward nodes run.
+driving the per-rank schedule of runtime.py ([Note: backward order] there explains when
+their backward nodes run).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ._backend import ops
-from ._errors import ShardingError
-from ._fsdp_plan import copy_out, leaf_views, pack_shards
-from ._fsdp_runtime import RankState
+from .._backend import ops
+from .._errors import ShardingError
+from .plan import copy_out, leaf_views, pack_shards
 
-__all__ = ["GatherUnit", "ReduceScatterUnit", "GatherStacked", "GatherTangent", "LossMean"]
+if TYPE_CHECKING:
+    from .runtime import RankState
+
+__all__ = ["GatherUnit", "ReduceScatterUnit", "GatherStacked", "GatherTangent", "LossMean", "plain", "stacked"]
 
 _NESTED_STACKING = "shard: vmap over stacked shards nests once (one ensemble dimension)"
+
+# [Note: stacked shards]
+# `vmap(step)` over stacked shards (an ensemble of B models, each sharded like the
+# params): the unit's shards of all B members travel in one (B, S) all-gather and come
+# back as (B, *leaf shape) full leaves (GatherStacked). No freeing and no prefetch: the
+# gathered members stay alive until the backward (memory: B units per unit touched).
+# Backward: one reduce-scatter of the (k, B, S) gradients (ReduceScatterUnit with
+# `stacked`), the same path as per-example gradients.
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under any functorch wrappers (same storage), detached."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t.detach()
+
+
+def stacked(t: torch.Tensor) -> bool:
+    """Whether `t` is batched by a vmap (an ensemble of shards; [Note: stacked shards])."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
 
 
 def _batch_first(xs, dims, size: int) -> list:
@@ -75,7 +105,7 @@ class ReduceScatterUnit(torch.autograd.Function):
     @staticmethod
     def forward(rs: RankState, u: int, stacked: bool, *grads):
         lead = (next(g.shape[0] for g in grads if g is not None),) if stacked else ()
-        return tuple(rs.units[u].reduce_gradients(list(grads), lead=lead))
+        return tuple(rs.reduce_gradients(u, list(grads), lead=lead))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -89,17 +119,12 @@ class ReduceScatterUnit(torch.autograd.Function):
     def vmap(info, in_dims, rs, u, stacked, *grads):
         if stacked:
             raise ShardingError(_NESTED_STACKING)
-        outs = rs.units[u].reduce_gradients(_batch_first(grads, in_dims[3:], info.batch_size), lead=(info.batch_size,))
+        outs = rs.reduce_gradients(u, _batch_first(grads, in_dims[3:], info.batch_size), lead=(info.batch_size,))
         return tuple(outs), (0,) * len(outs)
 
 
 class GatherStacked(torch.autograd.Function):
-    """[Note: stacked shards] `vmap(step)` over stacked shards (an ensemble of B models,
-    each sharded like the params): the unit's shards of all B members travel in one
-    (B, S) all-gather and come back as (B, *leaf shape) full leaves. No freeing and no
-    prefetch: the gathered members stay alive until the backward (memory: B units per
-    unit touched). Backward: one reduce-scatter of the (k, B, S) gradients
-    (ReduceScatterUnit with `stacked`), the same path as per-example gradients."""
+    """A unit's stacked shards (B, ...) -> B members' full leaves ([Note: stacked shards])."""
 
     @staticmethod
     def forward(rs: RankState, u: int, *inputs):
@@ -109,9 +134,9 @@ class GatherStacked(torch.autograd.Function):
         out = []
         if plan.sharded:
             size = inputs[0].shape[0]
-            send = pack_shards(plan, inputs[:n], unit.dtype, rs.device, lead=(size,))  # (B, S)
+            send = pack_shards(plan, inputs[:n], unit.dtype, rs.groups.device, lead=(size,))  # (B, S)
             rs.stats.collective("all_gather", plan.k * send.numel() * send.element_size())
-            gathered = ops.all_gather_async(rs.shard_group, send).wait()  # (k, B, S)
+            gathered = ops.all_gather_async(rs.groups.shard, send).wait()  # (k, B, S)
             for layout in plan.sharded:
                 block = gathered.narrow(2, layout.offset, layout.chunk_numel).movedim(0, 1)  # (B, k, c * row)
                 full = block.reshape((size, plan.k * layout.chunk) + layout.shape[1:]).narrow(1, 0, layout.rows)
@@ -137,19 +162,19 @@ class GatherTangent(torch.autograd.Function):
 
     @staticmethod
     def forward(rs: RankState, u: int, *tangents):
-        unit = rs.units[u]
+        unit, g = rs.units[u], rs.groups
         plan = unit.plan
         n = len(plan.sharded)
         out = []
         if plan.sharded:
-            zero = [t if t is not None else torch.zeros(l.local_shape(rs.shard_index, plan.k), dtype=unit.dtype, device=rs.device)
+            zero = [t if t is not None else torch.zeros(l.local_shape(g.shard_index, plan.k), dtype=unit.dtype, device=g.device)
                     for l, t in zip(plan.sharded, tangents[:n])]
-            send = pack_shards(plan, zero, unit.dtype, rs.device)
-            gathered = ops.all_gather_async(rs.shard_group, send).wait()
-            full = torch.empty(plan.full_numel, dtype=unit.dtype, device=rs.device)
+            send = pack_shards(plan, zero, unit.dtype, g.device)
+            gathered = ops.all_gather_async(g.shard, send).wait()
+            full = torch.empty(plan.full_numel, dtype=unit.dtype, device=g.device)
             copy_out(plan, gathered, full)
             out.extend(leaf_views(plan, full))
-        out.extend(t if t is not None else torch.zeros(l.shape, dtype=l.dtype, device=rs.device)
+        out.extend(t if t is not None else torch.zeros(l.shape, dtype=l.dtype, device=g.device)
                    for l, t in zip(plan.replicated, tangents[n:]))
         return tuple(out)
 
@@ -168,12 +193,9 @@ class LossMean(torch.autograd.Function):
 
     @staticmethod
     def forward(loss, rs: RankState):
-        if rs.config.check_finite:
-            rs.check_finite(loss, "the loss")
-        if not rs.loss_checked:
-            rs.check_loss_replicated(loss)
+        rs.check_loss(loss)
         rs.stats.collective("all_reduce", loss.numel() * loss.element_size())
-        return ops.all_reduce(rs.data_group, loss) / rs.data_group.size
+        return ops.all_reduce(rs.groups.data, loss) / rs.groups.data.size
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -182,13 +204,14 @@ class LossMean(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         ctx.rs.backward_start()
-        return g / (ctx.rs.data_group.size * ctx.rs.model_size), None
+        groups = ctx.rs.groups
+        return g / (groups.data.size * groups.tp_size), None  # [Note: FSDP x TP] rule (1)
 
     @staticmethod
     def jvp(ctx, t, _):
-        from ._collectives import _Psum
+        from .._collectives import _Psum
 
-        return _Psum.apply(t, ctx.rs.data_group) / ctx.rs.data_group.size
+        return _Psum.apply(t, ctx.rs.groups.data) / ctx.rs.groups.data.size
 
     @staticmethod
     def vmap(info, in_dims, loss, rs):

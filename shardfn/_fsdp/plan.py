@@ -13,7 +13,8 @@ Copy-in is one `torch.cat`, copy-out one `torch.split_with_sizes_copy` (the (k, 
 leaf-major transpose), and the gradient pack is the same transpose in reverse. Padding
 lives only in these buffers; shards themselves are never padded.
 
-Plans are built once per (tree structure, shapes, dtypes) and cached.
+Plans are built once per (tree structure, shapes, dtypes), complete and frozen: nothing
+is set on a plan after `build_plan` returns, so the rank threads can share one.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from . import _tree
-from ._errors import ShardingError, SpecError
-from ._spec import chunk_bounds
+from .. import _tree
+from .._errors import ShardingError, SpecError, bullet_list
+from .._spec import PartitionSpec, chunk_bounds
 
-__all__ = ["LeafLayout", "UnitPlan", "Plan", "build_plan", "default_unit"]
+__all__ = ["LeafLayout", "UnitPlan", "Plan", "build_plan", "default_unit", "hpz_rows", "pack_shards", "pack_grads",
+           "copy_out", "leaf_views", "unpack_shard_grads"]
 
 ROOT = "<root>"
 
@@ -65,19 +67,19 @@ class LeafLayout:
         return (self.local_rows(index, k),) + self.shape[1:]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class UnitPlan:
     key: Hashable
     position: int  # order of definition (first leaf's position)
-    sharded: list[LeafLayout]
-    replicated: list[LeafLayout]
+    sharded: tuple[LeafLayout, ...]
+    replicated: tuple[LeafLayout, ...]
     k: int  # shard group size
     shard_numel: int  # S
     dtype: torch.dtype | None  # dtype of the sharded leaves (before mixed precision)
     frozen: bool = False  # gathered for the forward, never reduce-scattered, no gradient
     # (axes, start, stop): shard-buffer ranges whose reduced gradient is also psummed over
-    # those non-data axes (FSDP x TP; see [Note: FSDP x TP] in _fsdp_tp.py)
-    regions: list[tuple[tuple[str, ...], int, int]] = dataclasses.field(default_factory=list)
+    # those non-data axes ([Note: FSDP x TP] in tp.py)
+    regions: tuple[tuple[tuple[str, ...], int, int], ...] = ()
 
     @property
     def is_root(self) -> bool:
@@ -91,15 +93,15 @@ class UnitPlan:
         return "root unit" if self.is_root else f"unit {self.key!r}"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Plan:
     treedef: Any
-    leaves: list[LeafLayout]
-    units: list[UnitPlan]
-    unit_of: list[int]  # leaf index -> unit index
-    k: int
+    leaves: tuple[LeafLayout, ...]
+    units: tuple[UnitPlan, ...]
+    unit_of: tuple[int, ...]  # leaf index -> unit index
+    k: int  # shard group size
     tp_axes: tuple[str, ...] = ()  # the axes param_specs name (tensor parallelism), mesh order
-    model_specs: list | None = None  # per leaf, its param_specs entry (PartitionSpec); None: no TP
+    tp_specs: tuple[PartitionSpec, ...] = ()  # per leaf, its spec over tp_axes (all P() without TP)
 
 
 def default_unit(paths: list[tuple]) -> Callable[[tuple], Hashable]:
@@ -127,15 +129,16 @@ def _describe_leaf(path, leaf) -> str:
 
 
 def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None,
-               frozen: Callable[[tuple], bool] | None = None,
+               frozen: Callable[[tuple], bool] | None = None, *,
+               tp_axes: tuple[str, ...] = (), tp_specs: list[PartitionSpec] | None = None,
                reduce_axes: list[tuple[str, ...]] | None = None) -> Plan:
     """Lay out `params` over a shard group of size k.
 
     `params` are the blocks that the shard group splits: the full leaves, or with
-    tensor parallelism this rank's tensor-parallel blocks. `reduce_axes[i]` names the
-    non-data axes leaf i is replicated over (its gradient is psummed over them); within a
-    unit, leaves are ordered by it so that each set of axes is one contiguous range of
-    the shard buffer (`UnitPlan.regions`).
+    tensor parallelism this rank's tensor-parallel blocks (`tp_specs[i]` is leaf i's spec
+    over `tp_axes`). `reduce_axes[i]` names the non-data axes leaf i is replicated over
+    (its gradient is psummed over them); within a unit, leaves are ordered by it so that
+    each set of axes is one contiguous range of the shard buffer (`UnitPlan.regions`).
     """
     paths, leaves, treedef = _tree.flatten_with_paths(params)
     problems = []
@@ -156,8 +159,6 @@ def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None
                 f"dtypes: keep torch.view_as_real(p) in the tree"
             )
     if problems:
-        from ._errors import bullet_list
-
         raise ShardingError("shard: every leaf of params must be a tensor:\n" + bullet_list(problems))
     if not leaves:
         raise ShardingError("shard: params has no tensors to shard")
@@ -204,13 +205,14 @@ def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None
                 f"mixed_precision=sf.MixedPrecision(param_dtype=...), or split them with units=."
             )
         unit_plans.append(
-            UnitPlan(key, position, sharded, repl, k, offset, next(iter(dtypes), None), isinstance(key, FrozenKey),
-                     _regions(sharded))
+            UnitPlan(key, position, tuple(sharded), tuple(repl), k, offset, next(iter(dtypes), None),
+                     isinstance(key, FrozenKey), _regions(sharded))
         )
-    return Plan(treedef, layouts, unit_plans, unit_of, k)
+    tp_specs = tuple(tp_specs) if tp_specs is not None else (PartitionSpec(),) * len(leaves)
+    return Plan(treedef, tuple(layouts), tuple(unit_plans), tuple(unit_of), k, tuple(tp_axes), tp_specs)
 
 
-def _regions(sharded: list[LeafLayout]) -> list[tuple[tuple[str, ...], int, int]]:
+def _regions(sharded: list[LeafLayout]) -> tuple[tuple[tuple[str, ...], int, int], ...]:
     """Contiguous shard-buffer ranges of the leaves with the same (non-empty) reduce axes."""
     out: list[tuple[tuple[str, ...], int, int]] = []
     for layout in sharded:
@@ -221,7 +223,7 @@ def _regions(sharded: list[LeafLayout]) -> list[tuple[tuple[str, ...], int, int]
             out[-1] = (layout.reduce_axes, out[-1][1], stop)
         else:
             out.append((layout.reduce_axes, layout.offset, stop))
-    return out
+    return tuple(out)
 
 
 # -- flat buffers ------------------------------------------------------------------------
@@ -291,3 +293,40 @@ def unpack_shard_grads(unit: UnitPlan, flat: torch.Tensor, index: int, lead: tup
         piece = flat.narrow(-1, layout.offset, rows * layout.row_numel)
         out.append(piece.reshape(lead + (rows,) + layout.shape[1:]))
     return out
+
+
+# -- hpZ ---------------------------------------------------------------------------------
+
+# [Note: hpZ]
+# `reshard_after_forward=<axes>` (ZeRO++'s hpZ, FSDP2's int form): after the forward a
+# rank keeps, of each unit's gathered (k, S) buffer, the k / M rows of the shard-group
+# ranks that share its coordinates on the sub-axes (M ranks in all), i.e. its own shard
+# and those of its counterparts across the other shard axes; the unit is then in state
+# SHARDED_POST_FORWARD (runtime.py). In the backward the M ranks of its sub-axes group
+# all-gather those rows, (M, k / M, S), which is the whole buffer in another order: no
+# traffic crosses the other shard axes (e.g. nodes). Memory: 1/M of each unit between
+# its forward and its backward.
+
+
+def hpz_rows(mesh, shard_axes: tuple[str, ...], sub_axes: tuple[str, ...]) -> tuple[list[int], list[int]]:
+    """[Note: hpZ] `(keep, order)`: the shard-group rows this rank keeps (ordered by their
+    index over the other axes), and for each row j its position in the flattened re-gather."""
+    def ravel(coords, axes):
+        index = 0
+        for a in axes:
+            index = index * mesh.shape[a] + coords[a]
+        return index
+
+    def unravel(j):
+        coords = {}
+        for a in reversed(shard_axes):
+            j, coords[a] = divmod(j, mesh.shape[a])
+        return coords
+
+    outer = tuple(a for a in shard_axes if a not in sub_axes)
+    k, m = mesh.axis_size(shard_axes), mesh.axis_size(sub_axes)
+    mine = ravel(mesh.coords, sub_axes)
+    rows = [unravel(j) for j in range(k)]
+    keep = sorted((j for j in range(k) if ravel(rows[j], sub_axes) == mine), key=lambda j: ravel(rows[j], outer))
+    order = [ravel(c, sub_axes) * (k // m) + ravel(c, outer) for c in rows]
+    return keep, order

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
-from . import _tree
+from .. import _tree
 
 __all__ = ["ParamsView", "make_view"]
 

@@ -1,0 +1,446 @@
+"""The per-rank machinery of `shard`: unit states, the gather/free/re-gather schedule, and
+the resolution of a parameter read inside `loss_fn` to its gathered leaf.
+
+What one rank keeps is split by how long it lives:
+- `Groups`: process groups, indices and dtypes, fixed for a (plan, mesh, config);
+- `Schedule`: which units to gather when (access order, prefetch), learned step to step;
+- `StepMode`: what kind of call is running (one enum instead of flags);
+- `UnitRuntime`: one unit's buffer and `UnitState`;
+- `RankState`: the above together, driven by the autograd Functions of autograd.py.
+Gradient reduction itself is plain functions in reduce.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from .. import _tree
+from .._backend import ops
+from .._errors import ShardingError
+from . import reduce
+from .autograd import GatherUnit, LossMean, plain, stacked
+from .plan import Plan, UnitPlan, copy_out, hpz_rows, leaf_views, pack_grads, pack_shards
+
+__all__ = ["Groups", "Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState"]
+
+# [Note: why storage is freed, not the tensor]
+# A unit's full parameters are views of one flat unsharded buffer. Ops that used them
+# saved those views for their backward. After a unit's forward we release the buffer's
+# storage (`untyped_storage().resize_(0)`), and before its backward ops run we resize it
+# back and all-gather into it again: the saved views see the data again without autograd
+# knowing. Writes go through `.data` (a tensor sharing the storage but not the version
+# counter), so the restore is not an in-place op that would invalidate saved tensors.
+# `torch.func` refuses saved-tensor hooks, so this is the mechanism that works under
+# `grad` / `vjp` as well as `loss.backward()`.
+
+# [Note: backward order]
+# The autograd engine runs ready nodes highest sequence number first. Unit k's GatherUnit
+# node was created when unit k was first touched in the forward, after every op of unit
+# k-1, so its backward (the reduce-scatter of unit k's gradients) runs before unit k-1's
+# backward ops: that is where unit k-1 is re-gathered. The last unit is re-gathered by
+# the backward of the loss (LossMean), which runs first of all. This assumes units are
+# used one after another in the forward (a layer stack); a unit's parameters used again
+# after later units, or used only through a detached path, can find their storage
+# released: keep such leaves in the root unit or use `reshard_after_forward=False`.
+
+# [Note: deferred reductions]
+# Under `Shard.grad_and_value` nothing reads the shard gradients before the backward
+# returns (they are `torch.autograd.grad` outputs, no AccumulateGrad), so a unit's
+# reduce-scatter can run while the backward of the units before it computes, and be
+# waited once at the end, followed by the all-reduces that complete it in place (HSDP,
+# tensor parallelism). Only when the shard gradients are views of its output: no cast,
+# no finiteness check, no vmap.
+
+# Schedule work (gathers, frees) also runs inside backward functions, where functorch
+# would otherwise wrap the results of ops on our plain buffers.
+_raw = ops.plain_mode
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # no unsharded storage
+    SHARDED_POST_FORWARD = "sharded_post_forward"  # no unsharded storage; hpZ rows kept ([Note: hpZ])
+    GATHERING = "gathering"  # storage allocated, all-gather in flight
+    GATHERED = "gathered"  # full parameters valid
+
+
+class StepMode(enum.Enum):
+    EAGER = "eager"  # each unit's gradient is reduced and waited when its backward ends
+    DEFERRED = "deferred"  # Shard.grad_and_value: reduce-scatters waited at the end ([Note: deferred reductions])
+    ACCUMULATE = "accumulate"  # Shard.accumulate: as EAGER; stats() covers every micro-batch
+    ACCUMULATE_HOLD = "accumulate_hold"  # accumulate(mode="reduce_once") before the last micro-batch: no reduction
+
+    @property
+    def keeps_stats(self) -> bool:
+        return self in (StepMode.ACCUMULATE, StepMode.ACCUMULATE_HOLD)
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """What a rank's step communicates over, and in which dtypes: fixed per (plan, mesh, config)."""
+
+    mesh: object
+    device: torch.device
+    shard: object  # Group over the shard axes
+    data: object  # Group over the data axes (the loss mean)
+    all: object  # Group over every mesh axis (check_finite)
+    replica: object | None  # HSDP: the data axes that are not shard axes (None if size 1)
+    hpz: object | None  # [Note: hpZ] the backward re-gather's sub-group
+    hpz_keep: torch.Tensor | None  # shard-group rows kept after the forward
+    hpz_order: torch.Tensor | None  # re-gathered row -> shard-group row
+    tp_size: int  # ranks over the tensor-parallel axes ([Note: FSDP x TP])
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+    @property
+    def shard_index(self) -> int:
+        return self.shard.index
+
+    @classmethod
+    def build(cls, plan: Plan, mesh, config) -> "Groups":
+        hpz = keep = order = None
+        if config.reshard_axes:
+            hpz = mesh.group(config.reshard_axes)
+            rows, positions = hpz_rows(mesh, config.shard_axes, config.reshard_axes)
+            keep, order = torch.tensor(rows, device=mesh.device), torch.tensor(positions, device=mesh.device)
+        replica_axes = tuple(a for a in config.data_axes if a not in config.shard_axes)
+        replica = mesh.group(replica_axes) if replica_axes and mesh.axis_size(replica_axes) > 1 else None
+        mp = config.mixed_precision
+        return cls(mesh, mesh.device, mesh.group(config.shard_axes), mesh.group(config.data_axes),
+                   mesh.group(mesh.axis_names), replica, hpz, keep, order,
+                   mesh.axis_size(plan.tp_axes) if plan.tp_axes else 1,
+                   mp.param_dtype if mp is not None else None, mp.reduce_dtype if mp is not None else None)
+
+
+class Schedule:
+    """Which units to gather when: this step's first-access order, the previous step's
+    (the prefetch plan), and how far ahead to prefetch. Pure bookkeeping: the RankState
+    acts on its answers."""
+
+    def __init__(self, units: tuple[UnitPlan, ...], prefetch: int):
+        self.units = units
+        self.prefetch = prefetch
+        self.order: list[int] = []  # units in first-access order, this step
+        self.prev_order: list[int] = []  # ... on the previous step
+        self.in_forward = False
+
+    def begin_step(self) -> None:
+        self.prev_order, self.order = (self.order or self.prev_order), []
+        self.in_forward = True
+
+    def prefetch_after(self, u: int) -> list[int]:
+        """Forward: the units to start gathering once unit u is entered."""
+        if self.prefetch <= 0 or u not in self.prev_order:
+            return []
+        pos = self.prev_order.index(u)
+        return [i for i in self.prev_order[pos + 1: pos + 1 + self.prefetch] if self.units[i].sharded]
+
+    def backward_next(self, upcoming: list[int]) -> tuple[list[int], list[int]]:
+        """Backward: of the units whose backward is still to come (next first), those to
+        have gathered now — frozen ones (they have no node to do it for the next) up to
+        the first trainable one — and `prefetch` more to start."""
+        need = []
+        for i in upcoming:
+            need.append(i)
+            if not self.units[i].frozen:
+                break
+        return need, upcoming[len(need): len(need) + self.prefetch]
+
+
+class UnitRuntime:
+    """One unit on one rank: its unsharded buffer, its state and this step's shards."""
+
+    def __init__(self, plan: UnitPlan, groups: Groups, stats: reduce.Stats):
+        self.plan = plan
+        self.groups = groups
+        self.stats = stats
+        self.dtype = groups.param_dtype or plan.dtype
+        self.full: torch.Tensor | None = None  # 1-D, k * S elements, leaf-major (see plan.py)
+        self._full_data: torch.Tensor | None = None  # `.data` of full: writes skip the version counter
+        self.state = UnitState.SHARDED
+        self.pending: ops.Pending | None = None  # the all-gather in flight while GATHERING
+        self.gathering_kept = False  # ... and whether it re-gathers the hpZ rows
+        self.kept: torch.Tensor | None = None  # (k / M, S) hpZ rows; from the forward to the unit's backward
+        self.shards: list[torch.Tensor] = []  # this step's plain shard tensors (sharded leaves)
+        self.outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
+        self.backward_done = False
+        self.stacked = False  # this step gathered stacked shards (vmap over an ensemble): no schedule
+        self.acc: torch.Tensor | None = None  # (k, *lead, S) unsharded grad sum (accumulate, reduce_once)
+        self.acc_replicated: list | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.plan.full_numel * self.dtype.itemsize if self.plan.sharded else 0
+
+    # -- gather / free ------------------------------------------------------------------
+    def start_gather(self) -> None:
+        with _raw():
+            self._start_gather()
+
+    def _start_gather(self) -> None:
+        if not self.plan.sharded:
+            self.state = UnitState.GATHERED
+            return
+        if self.state not in (UnitState.SHARDED, UnitState.SHARDED_POST_FORWARD):
+            return
+        g = self.groups
+        if self.full is None:
+            self.full = torch.empty(self.plan.full_numel, dtype=self.dtype, device=g.device)
+            self._full_data = self.full.data
+        else:
+            self._full_data.untyped_storage().resize_(self.nbytes)
+        self.stats.hold(self.nbytes)
+        self.gathering_kept = self.state is UnitState.SHARDED_POST_FORWARD
+        if self.gathering_kept:  # [Note: hpZ] re-gather from the kept rows, over the sub-group
+            self.pending = ops.all_gather_async(g.hpz, self.kept)  # (M, k / M, S)
+        else:
+            self.pending = ops.all_gather_async(g.shard, pack_shards(self.plan, self.shards, self.dtype, g.device))
+        self.stats.collective("all_gather", self.nbytes)
+        self.state = UnitState.GATHERING
+
+    def finish_gather(self, in_forward: bool = False) -> None:
+        """Wait for (or start and wait for) the unit's all-gather and copy it out; in the
+        forward, also keep the hpZ rows ([Note: hpZ])."""
+        with _raw():
+            if self.state in (UnitState.SHARDED, UnitState.SHARDED_POST_FORWARD):
+                self._start_gather()
+            if self.state is not UnitState.GATHERING:
+                return
+            gathered = self.pending.wait()  # (k, S) in logical rank order; (M, k / M, S) from the kept rows
+            self.pending = None
+            g = self.groups
+            if self.gathering_kept:
+                gathered = gathered.reshape(self.plan.k, -1).index_select(0, g.hpz_order)
+            elif g.hpz_keep is not None and in_forward and not self.plan.is_root:
+                self.kept = gathered.index_select(0, g.hpz_keep)  # (k / M, S), a copy
+                self.stats.hold(self.kept.numel() * self.kept.element_size())
+            copy_out(self.plan, gathered, self._full_data)
+            self.state = UnitState.GATHERED
+
+    def reshard(self, post_forward: bool = False) -> None:
+        """Release the unsharded storage. `post_forward`: a forward-time release, which
+        keeps the hpZ rows (if any) for the backward's re-gather (SHARDED_POST_FORWARD);
+        otherwise they are dropped too."""
+        if not post_forward and self.kept is not None:
+            self.stats.hold(-self.kept.numel() * self.kept.element_size())
+            self.kept = None
+        if not self.plan.sharded:  # nothing gathered: its leaves are whole on every rank
+            return
+        if self.state is UnitState.GATHERING:
+            self.pending.wait()
+            self.pending = None
+        if self.state in (UnitState.GATHERING, UnitState.GATHERED):
+            self._full_data.untyped_storage().resize_(0)
+            self.stats.hold(-self.nbytes)
+        self.state = UnitState.SHARDED_POST_FORWARD if self.kept is not None else UnitState.SHARDED
+
+    def views(self) -> list[torch.Tensor]:
+        # Views of `full` (not of `_full_data`): our writes bump only `_full_data`'s version
+        # counter, so tensors saved for backward stay valid. [Note: why storage is freed, not the tensor]
+        return leaf_views(self.plan, self.full)
+
+
+class RankState:
+    """Everything `shard` keeps for one rank and one plan: groups, schedule, unit
+    runtimes, statistics, and the current step's mode and shard leaves."""
+
+    def __init__(self, plan: Plan, mesh, config):
+        self.plan = plan
+        self.config = config
+        self.mesh = mesh
+        self.groups = Groups.build(plan, mesh, config)
+        self.schedule = Schedule(plan.units, config.prefetch)
+        self.stats = reduce.Stats()
+        self.units = [UnitRuntime(u, self.groups, self.stats) for u in plan.units]
+        self.mode = StepMode.EAGER
+        self.deferred: list = []  # (ops.Pending, UnitRuntime, output buffer) per deferred unit
+        # The loss must be the same on every tensor-parallel rank: checked on the first call.
+        self.loss_checked = self.groups.tp_size == 1
+        self.leaves: list[torch.Tensor] = []  # this step's shard leaves, as loss_fn's caller passed them
+
+    # -- step lifecycle -------------------------------------------------------------------
+    def begin_step(self, leaves: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for unit in self.units:
+                unit.reshard()
+        if not self.mode.keeps_stats:
+            self.stats.reset()
+        self.schedule.begin_step()
+        self.leaves = list(leaves)
+        for unit in self.units:
+            unit.outputs = None
+            unit.backward_done = False
+            unit.stacked = False
+            unit.shards = [plain(leaves[layout.index]) for layout in unit.plan.sharded]
+
+    def end_forward(self) -> None:
+        self.schedule.in_forward = False
+        if self.config.reshard_after_forward:
+            for i in self.schedule.order:
+                if not self.units[i].plan.is_root:
+                    self.units[i].reshard(post_forward=True)
+
+    def leaf(self, i: int) -> torch.Tensor:
+        """What `loss_fn` sees for params leaf i: its full value, gathering its unit on
+        first access (one GatherUnit node per unit and step)."""
+        plan = self.plan
+        if not self.schedule.in_forward:
+            raise ShardingError(
+                f"shard: params{_tree.keystr(plan.leaves[i].path)} was read outside the forward of the "
+                f"step. Units are gathered only while loss_fn runs, and with reshard_after_forward=True "
+                f"each unit's full parameters are released after the forward.\nFix: read parameters "
+                f"inside loss_fn; for evaluation use step.unshard_params(shards)."
+            )
+        u = plan.unit_of[i]
+        unit = self.units[u]
+        if unit.outputs is None:
+            order = unit.plan.sharded + unit.plan.replicated
+            inputs = [self.leaves[l.index] for l in order]
+            if unit.plan.frozen and stacked(inputs[0]):  # vmap over an ensemble
+                with torch.no_grad():
+                    outs = GatherUnit.apply(self, u, *inputs)
+            elif unit.plan.frozen:  # gathered, but no gradient: no autograd node at all
+                with torch.no_grad():
+                    inputs = [plain(x) for x in inputs]
+                    self.enter(u, inputs)
+                    outs = unit.views() + inputs[len(unit.plan.sharded):]
+            else:
+                outs = GatherUnit.apply(self, u, *inputs)
+            unit.outputs = {l.index: o for l, o in zip(order, outs)}
+        elif unit.state is not UnitState.GATHERED and not unit.stacked:  # released earlier in this forward
+            unit.finish_gather(in_forward=True)
+        return unit.outputs[i]
+
+    def loss_mean(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss: the mean over the data axes (see LossMean)."""
+        return LossMean.apply(loss, self)
+
+    # -- the schedule ---------------------------------------------------------------------
+    def enter(self, u: int, inputs) -> None:
+        """Forward: unit u is touched for the first time (inside GatherUnit.forward)."""
+        unit = self.units[u]
+        unit.shards = list(inputs[: len(unit.plan.sharded)])
+        self.schedule.order.append(u)
+        if self.config.reshard_after_forward and not unit.plan.is_root:
+            for other in self.units:
+                if other is not unit and not other.plan.is_root and other.state is UnitState.GATHERED:
+                    other.reshard(post_forward=True)
+        unit.finish_gather(in_forward=True)
+        for nxt in self.schedule.prefetch_after(u):
+            self.units[nxt].start_gather()
+
+    def backward_start(self) -> None:
+        """Backward of the loss: re-gather the units whose backward comes first."""
+        if self.config.reshard_after_forward:
+            self._bring([i for i in reversed(self.schedule.order) if not self.units[i].backward_done])
+
+    def unit_backward(self, u: int) -> None:
+        """Backward of unit u's gather (its grads are complete): free it (and the frozen units
+        used after it, whose backward ops have run), then bring the next ones."""
+        unit = self.units[u]
+        unit.backward_done = True
+        unit.reshard()
+        order = self.schedule.order
+        pos = order.index(u) if u in order else 0
+        for i in order[pos + 1:]:
+            if self.units[i].plan.frozen:
+                self.units[i].reshard()
+        if self.config.reshard_after_forward:
+            self._bring([i for i in reversed(order[:pos]) if not self.units[i].backward_done])
+
+    def _bring(self, upcoming: list[int]) -> None:
+        need, ahead = self.schedule.backward_next(upcoming)
+        for i in need + ahead:
+            self.units[i].start_gather()
+        for i in need:
+            self.units[i].finish_gather()
+
+    # -- gradients ------------------------------------------------------------------------
+    def reduce_gradients(self, u: int, grads, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:
+        """Unit u's full-leaf grads -> this rank's shard grads (sharded leaves) and
+        all-reduced grads (whole leaves), as the step mode says."""
+        unit, g, cfg = self.units[u], self.groups, self.config
+        plan = unit.plan
+        n = len(plan.sharded)
+        sharded_grads, whole_grads = list(grads[:n]), list(grads[n:])
+        reduce_dtype = g.reduce_dtype or unit.dtype
+        if self.mode is StepMode.ACCUMULATE_HOLD:  # add to the local sums, reduce on the last micro-batch
+            if plan.sharded:
+                packed = pack_grads(plan, sharded_grads, reduce_dtype, g.device, lead)
+                unit.acc = packed if unit.acc is None else unit.acc + packed
+            if plan.replicated:
+                held = unit.acc_replicated or [None] * len(plan.replicated)
+                unit.acc_replicated = [_add(a, b) for a, b in zip(held, whole_grads)]
+            return reduce.zero_shard_grads(plan, g.shard_index, g.device, lead)
+        out: list[torch.Tensor] = []
+        if plan.sharded:
+            packed = pack_grads(plan, sharded_grads, reduce_dtype, g.device, lead)  # (k, *lead, S)
+            if unit.acc is not None:
+                packed, unit.acc = packed + unit.acc, None
+            finish = dict(replica_group=g.replica, regions=plan.regions, mesh=self.mesh, stats=self.stats)
+            if self._can_defer(plan, reduce_dtype, lead):  # [Note: deferred reductions]
+                flat = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
+                self.deferred.append((reduce.reduce_scatter(packed, g.shard, self.stats, out=flat), flat, finish))
+                out.extend(reduce.shard_grads(plan, flat, g.shard_index, lead))  # filled by finish_deferred
+            else:
+                flat = reduce.reduce_scatter(packed, g.shard, self.stats).wait()  # (*lead, S)
+                reduce.finish_reduce(flat, **finish)
+                if cfg.check_finite:
+                    reduce.check_finite(flat, f"the gradient of {plan.name()}", group=g.all, stats=self.stats)
+                out.extend(reduce.shard_grads(plan, flat, g.shard_index, lead))
+        if plan.replicated:
+            if unit.acc_replicated is not None:
+                whole_grads = [_add(a, b) for a, b in zip(whole_grads, unit.acc_replicated)]
+                unit.acc_replicated = None
+            out.extend(reduce.all_reduce_replicated(
+                plan.replicated, whole_grads, data_axes=cfg.data_axes, mesh=self.mesh,
+                reduce_dtype=g.reduce_dtype, device=g.device, lead=lead, stats=self.stats))
+        return out
+
+    def _can_defer(self, plan: UnitPlan, reduce_dtype, lead) -> bool:
+        """[Note: deferred reductions]"""
+        return (
+            self.mode is StepMode.DEFERRED and not lead and not self.config.check_finite
+            and all(layout.dtype == reduce_dtype for layout in plan.sharded)
+        )
+
+    def finish_deferred(self, complete: bool = True) -> None:
+        """Wait for the deferred reduce-scatters; when the backward completed, finish them
+        (after a failure, no further collective is started)."""
+        pending, self.deferred = self.deferred, []
+        for work, flat, finish in pending:
+            work.wait()
+            if complete:
+                reduce.finish_reduce(flat, **finish)
+
+    # -- checks ---------------------------------------------------------------------------
+    def check_loss(self, loss: torch.Tensor) -> None:
+        """The loss is finite (with check_finite), and on the first call the same on every
+        rank of the tensor-parallel axes (each computes the loss of the same data rank's
+        batch), else the gradient would be wrong ([Note: FSDP x TP])."""
+        if self.config.check_finite:
+            reduce.check_finite(loss, "the loss", group=self.groups.all, stats=self.stats)
+        if self.loss_checked:
+            return
+        from .._shard_map import replicated_mismatch
+
+        self.loss_checked = True
+        axes = self.plan.tp_axes
+        group = self.mesh.group(axes)
+        self.stats.collective("all_reduce", 4 * 8)  # two float64 fingerprints and their negations
+        if replicated_mismatch(group, [loss])[0]:
+            raise ShardingError(
+                f"shard: the loss differs across mesh axes {axes} (ranks {list(group.ranks)}, seen on rank "
+                f"{group.ranks[group.index]}), the tensor-parallel axes of param_specs: shard treats every "
+                f"rank of them as computing the same loss of the same batch.\nFix: give every rank of "
+                f"{axes} the same batch and reduce the loss over them (sf.psum / all_gather) so it is "
+                f"the same there; or, if those axes split the batch, add them to data_axes."
+            )
+
+
+def _add(a, b):
+    if a is None:
+        return b
+    return a if b is None else a + b
