@@ -5,9 +5,10 @@ The modules, in the order data flows through them:
   config.py    `shard`'s options, checked once into a frozen `Config`; `MixedPrecision`
   tp.py        FSDP x TP: `param_specs` resolved and checked per leaf ([Note: FSDP x TP])
   plan.py      the layout: units, per-leaf chunks, flat buffers; a frozen `Plan` per tree
+  groups.py    per rank: the process groups and dtypes of a step, fixed
   reduce.py    gradient reduction as plain functions (reduce-scatter, HSDP / TP all-reduces)
   autograd.py  the autograd Functions (gather a unit, reduce its gradients, the loss mean)
-  runtime.py   per rank: `Groups`, `Schedule`, `StepMode`, unit states, leaf resolution
+  runtime.py   per rank: `Schedule`, `StepMode`, unit states, leaf resolution
   view.py      the read-only params view `loss_fn` receives, fetching leaves on first access
   eager.py     `grad_and_value` on eager autograd (the training fast path)
   step.py      the public `Shard` step and `shard()`

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._backend import ops
+from .._collectives import _Psum
 from .._errors import ShardingError
 from .plan import copy_out, leaf_views, pack_shards
 
@@ -209,8 +210,6 @@ class LossMean(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, t, _):
-        from .._collectives import _Psum
-
         return _Psum.apply(t, ctx.rs.groups.data) / ctx.rs.groups.data.size
 
     @staticmethod

@@ -2,7 +2,7 @@
 the resolution of a parameter read inside `loss_fn` to its gathered leaf.
 
 What one rank keeps is split by how long it lives:
-- `Groups`: process groups, indices and dtypes, fixed for a (plan, mesh, config);
+- `Groups` (groups.py): process groups, indices and dtypes, fixed for a (plan, mesh, config);
 - `Schedule`: which units to gather when (access order, prefetch), learned step to step;
 - `StepMode`: what kind of call is running (one enum instead of flags);
 - `UnitRuntime`: one unit's buffer and `UnitState`;
@@ -12,7 +12,6 @@ Gradient reduction itself is plain functions in reduce.py.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 
 import torch
@@ -20,11 +19,13 @@ import torch
 from .. import _tree
 from .._backend import ops
 from .._errors import ShardingError
+from .._shard_map import replicated_mismatch
 from . import reduce
 from .autograd import GatherUnit, LossMean, plain, stacked
-from .plan import Plan, UnitPlan, copy_out, hpz_rows, leaf_views, pack_grads, pack_shards
+from .groups import Groups
+from .plan import Plan, UnitPlan, copy_out, leaf_views, pack_grads, pack_shards
 
-__all__ = ["Groups", "Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState"]
+__all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState"]
 
 # [Note: why storage is freed, not the tensor]
 # A unit's full parameters are views of one flat unsharded buffer. Ops that used them
@@ -75,43 +76,6 @@ class StepMode(enum.Enum):
     @property
     def keeps_stats(self) -> bool:
         return self in (StepMode.ACCUMULATE, StepMode.ACCUMULATE_HOLD)
-
-
-@dataclasses.dataclass(frozen=True)
-class Groups:
-    """What a rank's step communicates over, and in which dtypes: fixed per (plan, mesh, config)."""
-
-    mesh: object
-    device: torch.device
-    shard: object  # Group over the shard axes
-    data: object  # Group over the data axes (the loss mean)
-    all: object  # Group over every mesh axis (check_finite)
-    replica: object | None  # HSDP: the data axes that are not shard axes (None if size 1)
-    hpz: object | None  # [Note: hpZ] the backward re-gather's sub-group
-    hpz_keep: torch.Tensor | None  # shard-group rows kept after the forward
-    hpz_order: torch.Tensor | None  # re-gathered row -> shard-group row
-    tp_size: int  # ranks over the tensor-parallel axes ([Note: FSDP x TP])
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
-
-    @property
-    def shard_index(self) -> int:
-        return self.shard.index
-
-    @classmethod
-    def build(cls, plan: Plan, mesh, config) -> "Groups":
-        hpz = keep = order = None
-        if config.reshard_axes:
-            hpz = mesh.group(config.reshard_axes)
-            rows, positions = hpz_rows(mesh, config.shard_axes, config.reshard_axes)
-            keep, order = torch.tensor(rows, device=mesh.device), torch.tensor(positions, device=mesh.device)
-        replica_axes = tuple(a for a in config.data_axes if a not in config.shard_axes)
-        replica = mesh.group(replica_axes) if replica_axes and mesh.axis_size(replica_axes) > 1 else None
-        mp = config.mixed_precision
-        return cls(mesh, mesh.device, mesh.group(config.shard_axes), mesh.group(config.data_axes),
-                   mesh.group(mesh.axis_names), replica, hpz, keep, order,
-                   mesh.axis_size(plan.tp_axes) if plan.tp_axes else 1,
-                   mp.param_dtype if mp is not None else None, mp.reduce_dtype if mp is not None else None)
 
 
 class Schedule:
@@ -424,8 +388,6 @@ class RankState:
             reduce.check_finite(loss, "the loss", group=self.groups.all, stats=self.stats)
         if self.loss_checked:
             return
-        from .._shard_map import replicated_mismatch
-
         self.loss_checked = True
         axes = self.plan.tp_axes
         group = self.mesh.group(axes)
