@@ -131,7 +131,10 @@ def test_stats_memory_and_bytes(mode, world):
     params = _layers_only_params(L, d)
     unit = _unit_bytes(d, world)
     psi = L * unit
-    for reshard, expected_ag, peak_bound in [(True, 2 * psi, 2 * unit), (False, psi, psi)]:
+    # With reshard_after_forward, at most: one unit in use, and the next one's all-gather in
+    # flight — its packed send buffer (unit / world) and its (k, S) output (a unit: these
+    # units hold two leaves, so the output is copied out into the unit's buffer).
+    for reshard, expected_ag, peak_bound in [(True, 2 * psi, 2 * unit + unit // world), (False, psi, psi)]:
         mesh = sf.local_mesh({"data": world})
         step = sf.shard(_layers_loss, mesh, reshard_after_forward=reshard, prefetch=1)
 
@@ -156,8 +159,8 @@ def test_stats_memory_and_bytes(mode, world):
             assert stats["num_collectives"] == expected_ag // unit + L + 1
             if reshard:
                 assert unit < stats["peak_gathered_bytes"] <= peak_bound
-            else:
-                assert stats["peak_gathered_bytes"] == psi
+            else:  # every unit, plus the last one's all-gather output until its copy-out
+                assert stats["peak_gathered_bytes"] == psi + unit
 
 
 def test_root_unit_stays_gathered_and_is_gathered_once():
@@ -182,7 +185,7 @@ def test_root_unit_stays_gathered_and_is_gathered_once():
     stats = mesh.run(body)[0]
     assert stats["all_gather_bytes"] == root + 2 * 3 * unit
     assert stats["reduce_scatter_bytes"] == root + 3 * unit
-    assert stats["peak_gathered_bytes"] <= root + 2 * unit
+    assert stats["peak_gathered_bytes"] <= root + 2 * unit + unit // 2  # + the prefetched unit's send buffer
 
 
 # -- composition --------------------------------------------------------------------------

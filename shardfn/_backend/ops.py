@@ -169,11 +169,16 @@ def _pg_index(group: Group) -> int:
 
 
 @_plain_op
-def all_gather_async(group: Group, x: torch.Tensor) -> Pending:
-    """Start gathering equal-shaped blocks; the result stacks them: (k, *x.shape), logical order."""
+def all_gather_async(group: Group, x: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
+    """Start gathering equal-shaped blocks; the result stacks them: (k, *x.shape), logical order.
+
+    `out` (contiguous, (k, *x.shape)) receives the blocks in the process group's order; the
+    result is `out` itself when that order is the logical one (`group.perm is None`), else a
+    reordered copy."""
     x = x.detach().contiguous()
     k = group.size
-    out = torch.empty((k,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((k,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     _note("all_gather", group, out.numel() * out.element_size())
 
     def direct():

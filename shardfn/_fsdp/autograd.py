@@ -32,11 +32,13 @@ _NESTED_STACKING = "shard: vmap over stacked shards nests once (one ensemble dim
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
-    """The tensor under any functorch wrappers (same storage), detached."""
+    """The tensor under any functorch wrappers (same storage), detached. (Detached with
+    functorch off: under a transform, `detach()` would wrap the result again.)"""
     functorch = torch._C._functorch
     while functorch.is_functorch_wrapped_tensor(t):
         t = functorch.get_unwrapped(t)
-    return t.detach()
+    with torch._C._DisableFuncTorch():
+        return t.detach()
 
 
 def stacked(t: torch.Tensor) -> bool:

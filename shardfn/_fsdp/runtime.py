@@ -126,6 +126,9 @@ class UnitRuntime:
         self.state = UnitState.SHARDED
         self.pending: ops.Pending | None = None  # the all-gather in flight while GATHERING
         self.gathering_kept = False  # ... and whether it re-gathers the hpZ rows
+        self.send_bytes = 0  # a packed send buffer in flight (0: the shard itself is sent)
+        self.apart_bytes = 0  # a separate (k, S) all-gather output, alive until the copy-out
+        self.full_held = False  # the unsharded buffer has storage
         self.kept: torch.Tensor | None = None  # (k / M, S) hpZ rows; from the forward to the unit's backward
         self.shards: list[torch.Tensor] = []  # this step's plain shard tensors (sharded leaves)
         self.outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
@@ -139,6 +142,16 @@ class UnitRuntime:
         return self.plan.full_numel * self.dtype.itemsize if self.plan.sharded else 0
 
     # -- gather / free ------------------------------------------------------------------
+    # [Note: gathering into the unit's buffer]
+    # A unit with one sharded leaf has the same rank-major and leaf-major layout, so its
+    # all-gather writes straight into the unit's unsharded buffer: no copy-out, and the
+    # send buffer is the shard itself (no pack) when no cast or padding is needed. A unit
+    # of several leaves gathers into a (k, S) buffer, allocates its unsharded buffer only
+    # when the gather is waited, copies out and drops the (k, S) buffer at once. Every
+    # buffer is counted in `peak_gathered_bytes` while it lives: the packed send buffer
+    # (until the gather is waited), the all-gather output, the unsharded buffer and the
+    # hpZ rows, so the statistic matches what an allocator sees.
+
     def start_gather(self) -> None:
         with _raw():
             self._start_gather()
@@ -149,39 +162,68 @@ class UnitRuntime:
             return
         if self.state not in (UnitState.SHARDED, UnitState.SHARDED_POST_FORWARD):
             return
-        g = self.groups
+        g, plan = self.groups, self.plan
+        self.gathering_kept = self.state is UnitState.SHARDED_POST_FORWARD
+        if self.gathering_kept:  # [Note: hpZ] re-gather from the kept rows, over the sub-group
+            send, out = self.kept, None  # -> (M, k / M, S)
+        else:
+            send = pack_shards(plan, self.shards, self.dtype, g.device)
+            out = self._alloc_full().view(plan.k, plan.shard_numel) if len(plan.sharded) == 1 else None
+        fresh = not self.gathering_kept and all(send.data_ptr() != x.data_ptr() for x in self.shards)
+        self.send_bytes = send.numel() * send.element_size() if fresh else 0  # a shard itself is no new buffer
+        self.apart_bytes = 0 if out is not None else self.nbytes  # a separate all-gather output
+        self.stats.hold(self.send_bytes + self.apart_bytes)
+        self.pending = ops.all_gather_async(g.hpz if self.gathering_kept else g.shard, send, out=out)
+        self.stats.collective("all_gather", self.nbytes)
+        self.state = UnitState.GATHERING
+
+    def _alloc_full(self) -> torch.Tensor:
+        """Give the unsharded buffer its storage (counted); returns its `.data`."""
         if self.full is None:
-            self.full = torch.empty(self.plan.full_numel, dtype=self.dtype, device=g.device)
+            self.full = torch.empty(self.plan.full_numel, dtype=self.dtype, device=self.groups.device)
             self._full_data = self.full.data
         else:
             self._full_data.untyped_storage().resize_(self.nbytes)
         self.stats.hold(self.nbytes)
-        self.gathering_kept = self.state is UnitState.SHARDED_POST_FORWARD
-        if self.gathering_kept:  # [Note: hpZ] re-gather from the kept rows, over the sub-group
-            self.pending = ops.all_gather_async(g.hpz, self.kept)  # (M, k / M, S)
-        else:
-            self.pending = ops.all_gather_async(g.shard, pack_shards(self.plan, self.shards, self.dtype, g.device))
-        self.stats.collective("all_gather", self.nbytes)
-        self.state = UnitState.GATHERING
+        self.full_held = True
+        return self._full_data
 
     def finish_gather(self, in_forward: bool = False) -> None:
-        """Wait for (or start and wait for) the unit's all-gather and copy it out; in the
-        forward, also keep the hpZ rows ([Note: hpZ])."""
+        """Wait for (or start and wait for) the unit's all-gather and lay it out in the
+        unsharded buffer; in the forward, also keep the hpZ rows ([Note: hpZ])."""
         with _raw():
             if self.state in (UnitState.SHARDED, UnitState.SHARDED_POST_FORWARD):
                 self._start_gather()
             if self.state is not UnitState.GATHERING:
                 return
-            gathered = self.pending.wait()  # (k, S) in logical rank order; (M, k / M, S) from the kept rows
-            self.pending = None
-            g = self.groups
-            if self.gathering_kept:
-                gathered = gathered.reshape(self.plan.k, -1).index_select(0, g.hpz_order)
-            elif g.hpz_keep is not None and in_forward and not self.plan.is_root:
+            gathered = self._wait()  # (k, S) in logical rank order; (M, k / M, S) from the kept rows
+            g, plan = self.groups, self.plan
+            if self.gathering_kept:  # reordered: a second (k, S) buffer for a moment
+                self.stats.hold(self.nbytes)
+                self.stats.hold(-self.nbytes)
+                gathered = gathered.reshape(plan.k, -1).index_select(0, g.hpz_order)
+            elif g.hpz_keep is not None and in_forward and not plan.is_root:
                 self.kept = gathered.index_select(0, g.hpz_keep)  # (k / M, S), a copy
                 self.stats.hold(self.kept.numel() * self.kept.element_size())
-            copy_out(self.plan, gathered, self._full_data)
+            if not self.full_held:
+                self._alloc_full()
+            if gathered.data_ptr() != self._full_data.data_ptr():
+                copy_out(plan, gathered, self._full_data)
+            del gathered
+            self._release_apart()
             self.state = UnitState.GATHERED
+
+    def _wait(self) -> torch.Tensor:
+        """Wait for the all-gather; its send buffer is released here."""
+        gathered = self.pending.wait()
+        self.pending = None
+        self.stats.hold(-self.send_bytes)
+        self.send_bytes = 0
+        return gathered
+
+    def _release_apart(self) -> None:
+        self.stats.hold(-self.apart_bytes)
+        self.apart_bytes = 0
 
     def reshard(self, post_forward: bool = False) -> None:
         """Release the unsharded storage. `post_forward`: a forward-time release, which
@@ -193,11 +235,12 @@ class UnitRuntime:
         if not self.plan.sharded:  # nothing gathered: its leaves are whole on every rank
             return
         if self.state is UnitState.GATHERING:
-            self.pending.wait()
-            self.pending = None
-        if self.state in (UnitState.GATHERING, UnitState.GATHERED):
+            self._wait()
+            self._release_apart()
+        if self.full_held:
             self._full_data.untyped_storage().resize_(0)
             self.stats.hold(-self.nbytes)
+            self.full_held = False
         self.state = UnitState.SHARDED_POST_FORWARD if self.kept is not None else UnitState.SHARDED
 
     def views(self) -> list[torch.Tensor]:
@@ -285,7 +328,7 @@ class RankState:
     def enter(self, u: int, inputs) -> None:
         """Forward: unit u is touched for the first time (inside GatherUnit.forward)."""
         unit = self.units[u]
-        unit.shards = list(inputs[: len(unit.plan.sharded)])
+        unit.shards = [plain(x) for x in inputs[: len(unit.plan.sharded)]]
         self.schedule.order.append(u)
         if self.config.reshard_after_forward and not unit.plan.is_root:
             for other in self.units:
@@ -316,10 +359,10 @@ class RankState:
 
     def _bring(self, upcoming: list[int]) -> None:
         need, ahead = self.schedule.backward_next(upcoming)
-        for i in need + ahead:
-            self.units[i].start_gather()
         for i in need:
             self.units[i].finish_gather()
+        for i in ahead:  # after the copy-out of `need`: its all-gather output is gone by then
+            self.units[i].start_gather()
 
     # -- gradients ------------------------------------------------------------------------
     def reduce_gradients(self, u: int, grads, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:
