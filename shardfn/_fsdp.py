@@ -25,7 +25,7 @@ from ._fsdp_runtime import RankState
 from ._agree import check_same_everywhere
 from ._autograd import eager_grad_and_value
 from ._lazy import make_view
-from ._shard_map import _gather_blocks, _slice_block
+from ._blocks import gather_blocks as _gather_blocks, slice_block as _slice_block
 from ._spec import PartitionSpec, chunk_bounds
 from . import _fsdp_tp as tp
 

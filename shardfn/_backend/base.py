@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Sequence
 
 from .._errors import CollectiveTimeoutError, DesyncError, RankAbortedError
 
-__all__ = ["Group", "BackendBase", "axis_subsets", "group_members", "rank_coords"]
+__all__ = ["Group", "BackendBase", "axis_subsets", "group_members", "rank_coords", "coords_rank"]
 
 _POLL = datetime.timedelta(milliseconds=50)
 
@@ -41,6 +41,7 @@ def rank_coords(rank: int, mesh_shape: Mapping[str, int]) -> dict[str, int]:
 
 
 def coords_rank(coords: Mapping[str, int], mesh_shape: Mapping[str, int]) -> int:
+    """The global rank at `coords`; the inverse of `rank_coords`."""
     rank = 0
     for axis, size in mesh_shape.items():
         rank = rank * size + coords[axis]
@@ -84,10 +85,6 @@ class Group:
     @property
     def size(self) -> int:
         return len(self.ranks)
-
-    @property
-    def key(self) -> str:
-        return ",".join(self.axes)
 
 
 class BackendBase:
