@@ -24,6 +24,9 @@ from .base import BackendBase, axis_subsets, group_members
 __all__ = ["DistributedBackend"]
 
 _REPORT_WINDOW_S = 2.0  # how long a timed-out rank collects its peers' whereabouts
+# The process groups' own timeout exceeds the mesh's by this much, so on gloo our polled
+# wait (base.py's [Note: polled waits]) reports first, naming the op and the late ranks.
+_PG_GRACE_S = 30.0
 
 
 def _default_backend(device: torch.device | None) -> str:
@@ -51,7 +54,7 @@ class DistributedBackend(BackendBase):
                 )
             dist.init_process_group(
                 backend=backend or _default_backend(device),
-                timeout=datetime.timedelta(seconds=self.timeout + 30),
+                timeout=datetime.timedelta(seconds=self.timeout + _PG_GRACE_S),
             )
         world = dist.get_world_size()
         if world != self.size:
@@ -72,7 +75,7 @@ class DistributedBackend(BackendBase):
             torch.cuda.set_device(device)
         self.device = device
         self._pgs: dict[tuple[str, ...], object] = {}
-        group_timeout = datetime.timedelta(seconds=self.timeout + 30)
+        group_timeout = datetime.timedelta(seconds=self.timeout + _PG_GRACE_S)
         for subset in axis_subsets(list(self.mesh_shape)):
             for members in group_members(self.mesh_shape, subset):
                 if len(members) == world:

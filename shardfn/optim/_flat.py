@@ -72,8 +72,9 @@ def require_params(params: Any, who: str) -> None:
 def writable(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Return ``leaves`` with any tensor whose elements share memory replaced by a copy.
 
-    In-place mode writes its output into the gradient buffers (see [Note: in-place
-    mode]); an expanded gradient (stride 0) cannot be written, so only those are copied.
+    In-place mode writes its output into the gradient buffers (see
+    [Note: in-place mode]); an expanded gradient (stride 0) cannot be written, so only
+    those are copied.
     """
     out = leaves
     for i, t in enumerate(leaves):
