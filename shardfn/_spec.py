@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from ._errors import SpecError
+from ._errors import SpecError, bullet_list
 
 __all__ = [
     "PartitionSpec",
@@ -129,8 +129,6 @@ def validate_spec(spec, shape: Sequence[int], mesh_shape: Mapping[str, int], whe
             else:
                 seen[axis] = dim
     if problems:
-        from ._errors import bullet_list
-
         raise SpecError(f"{where}: invalid partition spec {spec!r} for shape {tuple(shape)}:\n{bullet_list(problems)}")
 
 
