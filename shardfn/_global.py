@@ -12,16 +12,15 @@ from __future__ import annotations
 import torch
 
 from . import _tree
+from ._blocks import gather_blocks, slice_block
 from ._errors import ShardingError
-from ._spec import PartitionSpec, validate_spec
+from ._spec import PartitionSpec, as_spec, is_spec, validate_spec
 
 __all__ = ["global_call"]
 
 
 def _spec_leaves(specs, tree, what):
-    from ._shard_map import _as_spec, _is_spec
-
-    return [_as_spec(s, what) for s in _tree.broadcast_prefix(specs, tree, what=what, is_prefix_leaf=_is_spec)]
+    return [as_spec(s, what) for s in _tree.broadcast_prefix(specs, tree, what=what, is_prefix_leaf=is_spec)]
 
 
 class _Runner:
@@ -45,14 +44,12 @@ class _Runner:
         self.global_leaves: list = []
 
     def forward(self, tensors, record: bool):
-        from ._shard_map import _gather_blocks, _slice_block
-
         def body():
             rank = self.mesh.rank
             leaves = list(self.leaves)
             locals_ = []
             for i, t in zip(self.tensor_idx, tensors):
-                block = _slice_block(t.detach(), self.in_leaf_specs[i], self.mesh).clone()
+                block = slice_block(t.detach(), self.in_leaf_specs[i], self.mesh).clone()
                 if record and block.is_floating_point():
                     block.requires_grad_(True)
                 leaves[i] = block
@@ -65,7 +62,7 @@ class _Runner:
             for leaf, spec in zip(out_leaves, specs):
                 if isinstance(leaf, torch.Tensor):
                     with torch.no_grad():
-                        globals_.append(_gather_blocks(leaf.detach(), spec, self.mesh))
+                        globals_.append(gather_blocks(leaf.detach(), spec, self.mesh))
                 else:
                     globals_.append(leaf)
             if record:
@@ -78,12 +75,10 @@ class _Runner:
         return globals_
 
     def backward(self, cotangents):
-        from ._shard_map import _gather_blocks, _slice_block
-
         def body():
             locals_, outs = self.saved.pop(self.mesh.rank)
             pairs = [
-                (o, _slice_block(g, spec, self.mesh).contiguous())
+                (o, slice_block(g, spec, self.mesh).contiguous())
                 for o, g, spec in zip(outs, cotangents, self.out_leaf_specs)
                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
             ]
@@ -99,7 +94,7 @@ class _Runner:
                     out.append(None)
                     continue
                 with torch.no_grad():
-                    out.append(_gather_blocks(g, self.in_leaf_specs[i], self.mesh))
+                    out.append(gather_blocks(g, self.in_leaf_specs[i], self.mesh))
             return out
 
         return self.mesh.run(body)[0]

@@ -10,7 +10,7 @@ import torch
 from ._backend import DistributedBackend, Group, SimulatedBackend
 from ._backend import ops
 from ._backend.base import rank_coords
-from ._errors import SpecError
+from ._errors import SpecError, bullet_list
 
 __all__ = ["Mesh", "init_mesh", "local_mesh", "MAX_SIMULATED_RANKS"]
 
@@ -63,8 +63,6 @@ def _normalize_shape(shape, axis_names) -> dict[str, int]:
     if not pairs:
         problems.append("the mesh has no axes; give at least one, e.g. {'data': 2}")
     if problems:
-        from ._errors import bullet_list
-
         raise SpecError(f"invalid mesh shape {pairs}:\n{bullet_list(problems)}")
     return dict(pairs)
 

@@ -16,7 +16,6 @@ a boundary. docs/autodiff.md works through the examples.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -24,72 +23,22 @@ import torch
 from . import _tree
 from ._backend import ops
 from ._agree import check_same_everywhere
-from ._collectives import _Psum, binding, bound_mesh
+from ._blocks import check_tensor, checked_spec, gather_blocks, slice_block
+from ._collectives import binding, bound_mesh
 from ._errors import ShardingError, SpecError
-from ._spec import PartitionSpec, block_index, chunk_bounds, entry_axes, validate_spec
+from ._global import global_call
+from ._spec import PartitionSpec, as_spec, is_spec, validate_spec
 
 __all__ = ["shard_map", "scatter", "gather"]
 
 
-def _is_spec(x) -> bool:
-    return isinstance(x, PartitionSpec) or x is None
-
-
-def _as_spec(x, where: str = "spec") -> PartitionSpec:
-    if x is None:
-        return PartitionSpec()
-    if not isinstance(x, PartitionSpec):
-        raise SpecError(
-            f"{where}: expected a PartitionSpec (sf.P(...)) or None, got {type(x).__name__} {x!r:.60}.\n"
-            f"Fix: wrap axis names in sf.P, e.g. sf.P('data') instead of 'data', sf.P() for replicated."
-        )
-    return x
-
-
-# -- local <-> global blocks ------------------------------------------------------------
-
-
-def _slice_block(x: torch.Tensor, spec: PartitionSpec, mesh, offset: int = 0) -> torch.Tensor:
-    """This rank's block of a global `x` (a view); dims shifted by `offset` (vmap)."""
-    coords, shape = mesh.coords, mesh.shape
-    for dim, entry in enumerate(spec):
-        if not entry_axes(entry):
-            continue
-        index, count = block_index(entry, coords, shape)
-        start, stop = chunk_bounds(x.shape[dim + offset], count, index)
-        x = x.narrow(dim + offset, start, stop - start)
-    return x
-
-
-def _gather_blocks(x: torch.Tensor, spec: PartitionSpec, mesh, offset: int = 0) -> torch.Tensor:
-    """Global tensor from this rank's block: per sharded dim, pad to the chunk size,
-    all-gather, trim. Uneven blocks must follow `torch.chunk` (checked)."""
-    for dim, entry in enumerate(spec):
-        axes = entry_axes(entry)
-        if not axes:
-            continue
-        d = dim + offset
-        group = mesh.group(axes)
-        k = group.size
-        sizes = ops.all_gather(group, torch.tensor([x.shape[d]], device=x.device)).tolist()
-        n = sum(sizes)
-        c = math.ceil(n / k) if n else 0
-        expected = [chunk_bounds(n, k, i)[1] - chunk_bounds(n, k, i)[0] for i in range(k)]
-        if sizes != expected:
-            raise SpecError(
-                f"gather: the blocks along dim {dim} over axes {axes} have sizes {sizes}, which is not "
-                f"the torch.chunk layout {expected} of a dim of size {n} split {k} ways.\nFix: produce "
-                f"blocks with sf.scatter (or torch.chunk), or re-chunk before gathering."
-            )
-        padded = torch.nn.functional.pad(x.movedim(d, -1), (0, c - x.shape[d])).movedim(-1, d)
-        x = ops.all_gather(group, padded, d).narrow(d, 0, n)
-    return x
+# -- scatter / gather: differentiable moves between global tensors and local blocks ------
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(x, mesh, spec):
-        return _slice_block(x, spec, mesh).clone()
+        return slice_block(x, spec, mesh).clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -106,13 +55,13 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, x, mesh, spec):
         x = x if in_dims[0] == 0 else x.movedim(in_dims[0], 0)
-        return _slice_block(x, spec, mesh, offset=1).clone(), 0
+        return slice_block(x, spec, mesh, offset=1).clone(), 0
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(x, mesh, spec):
-        return _gather_blocks(x, spec, mesh)
+        return gather_blocks(x, spec, mesh)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -129,25 +78,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, x, mesh, spec):
         x = x if in_dims[0] == 0 else x.movedim(in_dims[0], 0)
-        return _gather_blocks(x, spec, mesh, offset=1), 0
-
-
-def check_tensor(x, mesh, where: str, communicates: bool = True) -> None:
-    """SpecError unless `x` is a tensor a collective on this mesh can move."""
-    if not isinstance(x, torch.Tensor):
-        raise SpecError(f"{where}: expected a torch.Tensor, got {type(x).__name__} {x!r:.60}")
-    if communicates and x.device.type != mesh.device.type:
-        raise SpecError(
-            f"{where}: the tensor is on {x.device}, but this mesh's ranks communicate tensors on "
-            f"{mesh.device.type} ({mesh.kind} mesh).\nFix: move it with .to(mesh.device)."
-        )
-
-
-def _checked_spec(x: torch.Tensor, mesh, spec, where: str, communicates: bool = True) -> PartitionSpec:
-    check_tensor(x, mesh, where, communicates)
-    spec = _as_spec(spec)
-    validate_spec(spec, tuple(x.shape), mesh.shape, where)
-    return spec
+        return gather_blocks(x, spec, mesh, offset=1), 0
 
 
 def scatter(x: torch.Tensor, mesh, spec) -> torch.Tensor:
@@ -162,7 +93,7 @@ def scatter(x: torch.Tensor, mesh, spec) -> torch.Tensor:
       >>> mesh.run(lambda: sf.scatter(torch.arange(3.0), mesh, sf.P("data")).tolist())
       [[0.0, 1.0], [2.0]]
     """
-    return _Scatter.apply(x, mesh, _checked_spec(x, mesh, spec, "scatter", communicates=False))
+    return _Scatter.apply(x, mesh, checked_spec(x, mesh, spec, "scatter", communicates=False))
 
 
 def gather(x_local: torch.Tensor, mesh, spec) -> torch.Tensor:
@@ -177,7 +108,7 @@ def gather(x_local: torch.Tensor, mesh, spec) -> torch.Tensor:
       >>> mesh.run(lambda: sf.gather(torch.full((2,), float(mesh.rank)), mesh, sf.P("data")).tolist())
       [[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]]
     """
-    return _Gather.apply(x_local, mesh, _checked_spec(x_local, mesh, spec, "gather"))
+    return _Gather.apply(x_local, mesh, checked_spec(x_local, mesh, spec, "gather"))
 
 
 # -- boundary halves of the transpose rule ----------------------------------------------
@@ -343,11 +274,11 @@ def _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed=None):
     paths, leaves, treedef = _tree.flatten_with_paths(args)
     if agreed is not None:
         _agree_on_structure(mesh, paths, leaves, treedef, agreed, name)
-    specs = _tree.broadcast_prefix(in_specs, args, what="in_specs", is_prefix_leaf=_is_spec)
+    specs = _tree.broadcast_prefix(in_specs, args, what="in_specs", is_prefix_leaf=is_spec)
     bound = []
     for path, leaf, spec in zip(paths, leaves, specs):
         where = f"{name}: in_specs for argument {_tree.keystr(path)}"
-        spec = _as_spec(spec, where)
+        spec = as_spec(spec, where)
         if isinstance(leaf, torch.Tensor):
             check_tensor(leaf, mesh, f"{name}: argument {_tree.keystr(path)}")
             validate_spec(spec, tuple(leaf.shape), mesh.shape, where)
@@ -367,11 +298,11 @@ def _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed=None):
 
 def _finish_outputs(mesh, out, out_specs, check, name):
     paths, leaves, treedef = _tree.flatten_with_paths(out)
-    specs = _tree.broadcast_prefix(out_specs, out, what="out_specs", is_prefix_leaf=_is_spec)
+    specs = _tree.broadcast_prefix(out_specs, out, what="out_specs", is_prefix_leaf=is_spec)
     by_group: dict[tuple[str, ...], list[int]] = {}
     for i, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
         where = f"{name}: out_specs for output {_tree.keystr(path)}"
-        spec = _as_spec(spec, where)
+        spec = as_spec(spec, where)
         if not isinstance(leaf, torch.Tensor):
             continue
         check_tensor(leaf, mesh, f"{name}: output {_tree.keystr(path)}")
@@ -426,8 +357,6 @@ def shard_map(f: Callable, mesh, in_specs, out_specs, *, check: bool = True) -> 
         if bound_mesh() is not None:
             raise ShardingError(f"{name}: nested shard_map / shard is not supported; call collectives directly instead")
         if mesh.kind == "simulated" and not mesh.in_rank():
-            from ._global import global_call
-
             return global_call(lambda *a: _local_call(f, mesh, in_specs, out_specs, check, a, name),
                                mesh, in_specs, out_specs, args, name)
         return _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed if check else None)

@@ -11,9 +11,19 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from ._errors import SpecError
+from ._errors import SpecError, bullet_list
 
-__all__ = ["PartitionSpec", "P", "chunk_bounds", "normalize_entry", "validate_spec"]
+__all__ = [
+    "PartitionSpec",
+    "P",
+    "is_spec",
+    "as_spec",
+    "chunk_bounds",
+    "normalize_entry",
+    "validate_spec",
+    "local_shape",
+    "local_block",
+]
 
 
 class PartitionSpec(tuple):
@@ -48,6 +58,23 @@ class PartitionSpec(tuple):
 
 
 P = PartitionSpec
+
+
+def is_spec(x) -> bool:
+    """Whether `x` is a leaf of a spec tree: a PartitionSpec, or None (= `P()`, replicated)."""
+    return isinstance(x, PartitionSpec) or x is None
+
+
+def as_spec(x, where: str = "spec") -> PartitionSpec:
+    """`x` as a PartitionSpec (None becomes `P()`); SpecError naming `where` otherwise."""
+    if x is None:
+        return PartitionSpec()
+    if not isinstance(x, PartitionSpec):
+        raise SpecError(
+            f"{where}: expected a PartitionSpec (sf.P(...)) or None, got {type(x).__name__} {x!r:.60}.\n"
+            f"Fix: wrap axis names in sf.P, e.g. sf.P('data') instead of 'data', sf.P() for replicated."
+        )
+    return x
 
 
 def normalize_entry(entry):
@@ -102,8 +129,6 @@ def validate_spec(spec, shape: Sequence[int], mesh_shape: Mapping[str, int], whe
             else:
                 seen[axis] = dim
     if problems:
-        from ._errors import bullet_list
-
         raise SpecError(f"{where}: invalid partition spec {spec!r} for shape {tuple(shape)}:\n{bullet_list(problems)}")
 
 
@@ -136,3 +161,15 @@ def local_shape(global_shape: Sequence[int], spec, coords, mesh_shape) -> tuple[
         start, stop = chunk_bounds(shape[dim], count, index)
         shape[dim] = stop - start
     return tuple(shape)
+
+
+def local_block(x, spec, coords, mesh_shape, offset: int = 0):
+    """The block of a global tensor `x` at mesh `coords` under `spec` (a view, `torch.chunk`
+    rules); `offset` shifts the spec's dims right (leading batch dims, e.g. under vmap)."""
+    for dim, entry in enumerate(spec):
+        if not entry_axes(entry):
+            continue
+        index, count = block_index(entry, coords, mesh_shape)
+        start, stop = chunk_bounds(x.shape[dim + offset], count, index)
+        x = x.narrow(dim + offset, start, stop - start)
+    return x

@@ -1,7 +1,9 @@
 """Pytree helpers on optree: key paths, prefix matching, path-naming errors.
 
-shardfn registers nothing globally: all calls pass `namespace="shardfn"`, so custom
-nodes registered by shardfn (none yet) never leak into a user's other libraries.
+Every call passes `namespace="shardfn"`, so a node type registered in that namespace
+affects shardfn's flattening only, never a user's other libraries. shardfn itself
+registers no node types: its trees are dicts, lists, tuples and namedtuples, which
+optree handles everywhere, and a `PartitionSpec` is a leaf (see `_spec.py`).
 `None` is a leaf in spec trees (it means "replicated") but an empty node in
 argument trees, as in JAX.
 """

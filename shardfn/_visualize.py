@@ -11,6 +11,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ._backend.base import rank_coords
 from ._errors import SpecError
 from ._spec import PartitionSpec, block_index, chunk_bounds, validate_spec
 
@@ -40,14 +41,6 @@ def _tensor_shape(x) -> tuple[int, ...]:
         f"visualize_sharding: expected a tensor or a shape (a tuple of non-negative ints), got "
         f"{type(x).__name__} {x!r}"
     )
-
-
-def _coords(rank: int, mesh_shape: Mapping[str, int]) -> dict[str, int]:
-    """Row-major coordinates of `rank` (the last axis varies fastest), as in `Mesh.coords`."""
-    out = {}
-    for name in reversed(list(mesh_shape)):
-        rank, out[name] = divmod(rank, mesh_shape[name])
-    return {name: out[name] for name in mesh_shape}
 
 
 def _ranks_label(ranks: list[int]) -> str:
@@ -132,13 +125,13 @@ def visualize_sharding(x, mesh, spec: PartitionSpec | None = None, *, show: bool
             f"Fix: visualize a 2-D view, e.g. the first two dims: ({', '.join(map(str, shape[:2]))})."
         )
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    counts = [block_index(e, _coords(0, mesh_shape), mesh_shape)[1] for e in entries]
+    counts = [block_index(e, rank_coords(0, mesh_shape), mesh_shape)[1] for e in entries]
     holders: dict[tuple[int, ...], list[int]] = {}
     size = 1
     for n in mesh_shape.values():
         size *= n
     for rank in range(size):
-        coords = _coords(rank, mesh_shape)
+        coords = rank_coords(rank, mesh_shape)
         key = tuple(block_index(e, coords, mesh_shape)[0] for e in entries)
         holders.setdefault(key, []).append(rank)
 

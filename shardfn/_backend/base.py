@@ -13,6 +13,13 @@ deadline (a peer never arrived). `ProcessGroupGloo.abort()` does not wake a wait
 some gloo works cannot be polled with `is_completed()`, so slices are the one way that
 works for every op. NCCL works are waited plainly: their wait only orders streams, and
 NCCL's watchdog enforces the group timeout.
+
+[Note: desync detection] With `check_collectives` on, `begin` compares each collective
+with the one every peer issued as the same sequence number of that group, before it is
+issued, and raises DesyncError naming both, instead of hanging in (or mixing up) the
+mismatch. The simulated backend compares the ranks' recorded histories under a lock, for
+free; the distributed backend all-reduces a digest of the op per collective (exchange.py's
+[Note: agree by digest]), so there it is opt-in.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Callable, Mapping, Sequence
 
 from .._errors import CollectiveTimeoutError, DesyncError, RankAbortedError
 
-__all__ = ["Group", "BackendBase", "axis_subsets", "group_members", "rank_coords"]
+__all__ = ["Group", "BackendBase", "axis_subsets", "group_members", "rank_coords", "coords_rank"]
 
 _POLL = datetime.timedelta(milliseconds=50)
 
@@ -41,6 +48,7 @@ def rank_coords(rank: int, mesh_shape: Mapping[str, int]) -> dict[str, int]:
 
 
 def coords_rank(coords: Mapping[str, int], mesh_shape: Mapping[str, int]) -> int:
+    """The global rank at `coords`; the inverse of `rank_coords`."""
     rank = 0
     for axis, size in mesh_shape.items():
         rank = rank * size + coords[axis]
@@ -84,10 +92,6 @@ class Group:
     @property
     def size(self) -> int:
         return len(self.ranks)
-
-    @property
-    def key(self) -> str:
-        return ",".join(self.axes)
 
 
 class BackendBase:
@@ -156,8 +160,8 @@ class BackendBase:
         return seq
 
     def _check_same_op(self, group: Group, key: str, seq: int, what: str) -> None:
-        """[Note: desync detection] Raise DesyncError if a peer issued another collective as
-        collective #seq of this group, instead of hanging in (or mixing up) the mismatch."""
+        """Raise DesyncError if a peer issued another collective as collective #seq of this
+        group; see [Note: desync detection]."""
 
     def _desync(self, group: Group, seq: int, mine: str, other_rank: int, other: str) -> DesyncError:
         return DesyncError(

@@ -12,18 +12,21 @@ from __future__ import annotations
 import datetime
 import os
 import time
-import zlib
 from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from .._errors import ShardingError, SpecError
+from . import exchange
 from .base import BackendBase, axis_subsets, group_members
 
 __all__ = ["DistributedBackend"]
 
 _REPORT_WINDOW_S = 2.0  # how long a timed-out rank collects its peers' whereabouts
+# The process groups' own timeout exceeds the mesh's by this much, so on gloo our polled
+# wait (base.py's [Note: polled waits]) reports first, naming the op and the late ranks.
+_PG_GRACE_S = 30.0
 
 
 def _default_backend(device: torch.device | None) -> str:
@@ -51,7 +54,7 @@ class DistributedBackend(BackendBase):
                 )
             dist.init_process_group(
                 backend=backend or _default_backend(device),
-                timeout=datetime.timedelta(seconds=self.timeout + 30),
+                timeout=datetime.timedelta(seconds=self.timeout + _PG_GRACE_S),
             )
         world = dist.get_world_size()
         if world != self.size:
@@ -72,7 +75,7 @@ class DistributedBackend(BackendBase):
             torch.cuda.set_device(device)
         self.device = device
         self._pgs: dict[tuple[str, ...], object] = {}
-        group_timeout = datetime.timedelta(seconds=self.timeout + 30)
+        group_timeout = datetime.timedelta(seconds=self.timeout + _PG_GRACE_S)
         for subset in axis_subsets(list(self.mesh_shape)):
             for members in group_members(self.mesh_shape, subset):
                 if len(members) == world:
@@ -94,31 +97,18 @@ class DistributedBackend(BackendBase):
     def _polled(self, work) -> bool:
         return self.backend_name == "gloo"
 
-    _WIDTH = 256  # bytes of an op description exchanged on a mismatch
-
     def _check_same_op(self, group, key: str, seq: int, what: str) -> None:
-        """Opt-in (costs one small blocking all-reduce per collective): compare a hash of
-        the op description across the group; on a mismatch, exchange the descriptions."""
+        """Opt-in (costs one small blocking all-reduce per collective): compare a digest of
+        the op description across the group (see exchange.py's [Note: agree by digest]);
+        on a mismatch, exchange the descriptions."""
         if group.size == 1:
             return
-        digest = zlib.crc32(what.encode())
-        flags = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
-        group.pg.allreduce([flags], opts).wait()
-        if int(flags[0]) == -int(flags[1]):
+        transport = exchange.via_pg(group)  # ops.py would come back here: go to the group directly
+        if exchange.same_everywhere(what.encode(), transport):
             return
-        mine = torch.zeros(self._WIDTH, dtype=torch.uint8, device=self.device)
-        raw = what.encode()[: self._WIDTH]
-        mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        everyone = torch.empty(group.size * self._WIDTH, dtype=torch.uint8, device=self.device)
-        group.pg._allgather_base(everyone, mine).wait()
-        rows = everyone.view(group.size, self._WIDTH).cpu()
-        pg_ranks = sorted(group.ranks)  # pg order = ascending global rank
-        for pg_rank, row in enumerate(rows):
-            text = bytes(b for b in row.tolist() if b).decode(errors="replace")
-            if text != what[: self._WIDTH]:
-                raise self._desync(group, seq, what, pg_ranks[pg_rank], text)
+        for i, text in enumerate(exchange.gather_bytes(what.encode(), transport)):
+            if text.decode(errors="replace") != what:
+                raise self._desync(group, seq, what, group.ranks[i], text.decode(errors="replace"))
 
     def _missing_ranks(self, group, seq: int) -> str:
         """Ask the peers, through the store, where they are (best effort: error path only)."""

@@ -20,7 +20,7 @@ import torch
 
 from .. import _tree
 from .._errors import SpecError
-from .._spec import PartitionSpec
+from .._spec import PartitionSpec, is_spec
 from ._errors import CheckpointError, listing
 
 __all__ = ["Leaf", "mapper", "named_leaves", "add_aliases", "key_of", "specs_like", "tied_keys"]
@@ -64,10 +64,6 @@ def mapper(key_map: KeyMap) -> Callable[[str], str]:
     )
 
 
-def _is_spec(x) -> bool:
-    return x is None or isinstance(x, PartitionSpec)
-
-
 def named_leaves(tree: Any, specs: Any, key_map: KeyMap, *, who: str, what: str = "tree"):
     """Flatten `tree` once into `(leaves, treedef)`, broadcasting the spec-tree prefix `specs`.
 
@@ -82,7 +78,7 @@ def named_leaves(tree: Any, specs: Any, key_map: KeyMap, *, who: str, what: str 
         spec_leaves = [PartitionSpec()] * len(values)
     else:
         try:
-            spec_leaves = _tree.broadcast_prefix(specs, tree, what="specs", is_prefix_leaf=_is_spec)
+            spec_leaves = _tree.broadcast_prefix(specs, tree, what="specs", is_prefix_leaf=is_spec)
         except SpecError as err:
             raise SpecError(f"{who}: {err}") from None
     to_file = mapper(key_map)
@@ -172,7 +168,7 @@ def specs_like(state: Any, params_specs: Any, params: Any = None) -> Any:
     if params is not None:
         target = optree.tree_structure(params, none_is_leaf=True, namespace=_tree.NAMESPACE)
     else:
-        target = optree.tree_structure(params_specs, none_is_leaf=True, is_leaf=_is_spec, namespace=_tree.NAMESPACE)
+        target = optree.tree_structure(params_specs, none_is_leaf=True, is_leaf=is_spec, namespace=_tree.NAMESPACE)
     if target.num_leaves == 1 and optree.treespec_is_leaf(target):
         raise SpecError(
             "specs_like: the params are a single leaf, so every leaf of the state would look like "

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._backend import ops
+from .._backend import exchange
 from .._errors import SpecError
 from .._spec import block_index, chunk_bounds, entry_axes, validate_spec
 from ._errors import CheckpointError, listing
@@ -51,13 +51,7 @@ class Ranks:
         if self.size == 1:
             return [data]
         group = self.mesh.group(self.mesh.axis_names)
-        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        sizes = ops.all_gather(group, torch.tensor([mine.numel()], device=self.device))
-        width = max(int(sizes.max()), 1)
-        padded = torch.zeros(width, dtype=torch.uint8, device=self.device)
-        padded[: mine.numel()] = mine.to(self.device)
-        rows = ops.all_gather_async(group, padded).wait().cpu()
-        by_logical = [bytes(rows[i, : int(sizes[i])].numpy().tobytes()) for i in range(group.size)]
+        by_logical = exchange.gather_bytes(data, exchange.via_ops(group))
         order = sorted(range(group.size), key=lambda i: group.ranks[i])  # logical index -> global rank
         return [by_logical[i] for i in order]
 

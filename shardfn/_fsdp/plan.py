@@ -26,6 +26,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from .. import _tree
+from .._backend.base import coords_rank, rank_coords
 from .._errors import ShardingError, SpecError, bullet_list
 from .._spec import PartitionSpec, chunk_bounds
 
@@ -311,17 +312,11 @@ def unpack_shard_grads(unit: UnitPlan, flat: torch.Tensor, index: int, lead: tup
 def hpz_rows(mesh, shard_axes: tuple[str, ...], sub_axes: tuple[str, ...]) -> tuple[list[int], list[int]]:
     """[Note: hpZ] `(keep, order)`: the shard-group rows this rank keeps (ordered by their
     index over the other axes), and for each row j its position in the flattened re-gather."""
-    def ravel(coords, axes):
-        index = 0
-        for a in axes:
-            index = index * mesh.shape[a] + coords[a]
-        return index
+    def ravel(coords, axes):  # the index of `coords` within the sub-mesh of `axes` (row-major)
+        return coords_rank(coords, {a: mesh.shape[a] for a in axes})
 
     def unravel(j):
-        coords = {}
-        for a in reversed(shard_axes):
-            j, coords[a] = divmod(j, mesh.shape[a])
-        return coords
+        return rank_coords(j, {a: mesh.shape[a] for a in shard_axes})
 
     outer = tuple(a for a in shard_axes if a not in sub_axes)
     k, m = mesh.axis_size(shard_axes), mesh.axis_size(sub_axes)

@@ -18,7 +18,7 @@ from .._agree import check_same_everywhere
 from .._backend import ops
 from .._collectives import binding, bound_mesh
 from .._errors import ShardingError, SpecError
-from .._shard_map import _gather_blocks, _slice_block
+from .._blocks import gather_blocks, slice_block
 from .._spec import chunk_bounds
 from . import tp
 from .autograd import plain
@@ -60,7 +60,7 @@ class Shard:
         self._check_same_everywhere(paths, leaves)
         tp_specs = tp.tp_specs(cfg.param_specs, params, paths, leaves, mesh, cfg.data_axes, cfg.shard_axes)
         # With tensor parallelism the shard group splits this rank's tensor-parallel block.
-        blocks = [_slice_block(x, s, mesh) if s.axes else x for x, s in zip(leaves, tp_specs)]
+        blocks = [slice_block(x, s, mesh) if s.axes else x for x, s in zip(leaves, tp_specs)]
         signature = (treedef, tuple((tuple(getattr(x, 'shape', ())), getattr(x, 'dtype', type(x))) for x in blocks))
         with self._lock:  # rank threads share one plan per signature (and so its RankStates)
             plan = self._by_signature.get(signature)
@@ -115,7 +115,7 @@ class Shard:
             full_leaves = [plain(x) for x in full_leaves]
             for i, spec in enumerate(plan.tp_specs):
                 if spec.axes:  # the tensor-parallel blocks -> the global leaf
-                    full_leaves[i] = _gather_blocks(full_leaves[i], spec, self.mesh)
+                    full_leaves[i] = gather_blocks(full_leaves[i], spec, self.mesh)
         return _tree.unflatten(treedef, full_leaves)
 
     @property

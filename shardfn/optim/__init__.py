@@ -5,6 +5,15 @@
 ``params = apply_updates(params, updates)``. Called on a rank's shards, ``init``
 allocates state shaped like the shards, so the optimizer state is sharded like the
 parameters. See ``docs/optim.md``.
+
+``optim`` ships inside shardfn and uses the package's own pieces rather than copies:
+pytrees are flattened with ``shardfn._tree`` (namespace ``"shardfn"``, spec trees
+broadcast by key path), specs are read with ``shardfn._spec``, and a spec tree or mesh
+axis that does not fit raises ``sf.SpecError`` (a ``ValueError``). Bad hyperparameters
+and update / state trees of different structures raise ``ValueError``, as
+``torch.optim`` does. The transforms import only ``_tree``, ``_spec`` and ``_errors``
+(``train_step`` adds ``_autograd``); the mesh given for sharded clipping is used only
+through ``mesh.coords``, ``mesh.shape`` and ``mesh.all_reduce``.
 """
 
 from ._adam import ScaleByAdamState as ScaleByAdamState

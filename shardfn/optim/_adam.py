@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import _tree
 from . import _flat, _fusion
 from .base import GradientTransformation
 
@@ -85,9 +86,9 @@ def scale_by_adam(
     who = "scale_by_adam.update"
 
     def init(params):
-        leaves, treedef = _flat.flatten(params)
-        mu = _flat.unflatten(treedef, _flat.zeros_like(leaves))
-        nu = _flat.unflatten(treedef, _flat.zeros_like(leaves))
+        leaves, treedef = _tree.flatten(params)
+        mu = _tree.unflatten(treedef, _flat.zeros_like(leaves))
+        nu = _tree.unflatten(treedef, _flat.zeros_like(leaves))
         return ScaleByAdamState(count=_flat.new_count(), mu=mu, nu=nu)
 
     def update(updates, state, params=None):
@@ -97,7 +98,7 @@ def scale_by_adam(
     def scaled(updates, state, params, out_scale, owned):
         """``out_scale * mu_hat / denom``; see [Note: scale fusion] in _fusion.py."""
         del params, owned
-        g, treedef = _flat.flatten(updates)
+        g, treedef = _tree.flatten(updates)
         mu = _flat.leaves_like(treedef, state.mu, "state.mu", who)
         nu = _flat.leaves_like(treedef, state.nu, "state.nu", who)
         count, t = _flat.bump_count(state.count, inplace)
@@ -115,16 +116,16 @@ def scale_by_adam(
                 torch._foreach_addcmul_(nu, g, g, 1.0 - b2)
                 _sqrt_into(g, nu)
                 _finish(g, mu, denom_scale, denom_eps)
-            return _flat.unflatten(treedef, g), ScaleByAdamState(count, state.mu, state.nu)
+            return _tree.unflatten(treedef, g), ScaleByAdamState(count, state.mu, state.nu)
         mu = torch._foreach_lerp(mu, g, 1.0 - b1)
         nu = torch._foreach_mul(nu, b2)
         torch._foreach_addcmul_(nu, g, g, 1.0 - b2)
         out = torch._foreach_sqrt(nu)
         _finish(out, mu, denom_scale, denom_eps)
         new_state = ScaleByAdamState(
-            count, _flat.unflatten(treedef, mu), _flat.unflatten(treedef, nu)
+            count, _tree.unflatten(treedef, mu), _tree.unflatten(treedef, nu)
         )
-        return _flat.unflatten(treedef, out), new_state
+        return _tree.unflatten(treedef, out), new_state
 
     _fusion.mark(update, _fusion.Fusion("absorb", scaled=scaled))
     return GradientTransformation(init, update)

@@ -19,6 +19,9 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 import optree
 import torch
 
+from .. import _tree
+from .._errors import SpecError
+from .._spec import as_spec, is_spec
 from . import _flat
 from .base import EmptyState, GradientTransformation
 
@@ -39,31 +42,11 @@ def _axes_tuple(mesh: Any, axes: Axes, who: str) -> tuple[str, ...]:
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     unknown = [a for a in axes if a not in names]
     if unknown:
-        raise ValueError(
+        raise SpecError(
             f"{who}: axes {unknown} are not axes of the mesh; the mesh has axes "
             f"{list(names)} (shape {dict(mesh.shape)})."
         )
     return axes
-
-
-def _spec_axes(spec: Any) -> set[str]:
-    """The axis names a PartitionSpec entry list mentions (None: replicated)."""
-    named: set[str] = set()
-    for entry in spec or ():
-        if entry is None:
-            continue
-        named.update((entry,) if isinstance(entry, str) else entry)
-    return named
-
-
-def _is_spec(x: Any) -> bool:
-    if x is None:
-        return True
-    try:
-        from shardfn._spec import PartitionSpec
-    except ImportError:  # duck-type: P is a tuple subclass named PartitionSpec
-        return type(x).__name__ == "PartitionSpec"
-    return isinstance(x, PartitionSpec)
 
 
 def _counted(tree: Any, leaves: list, treedef, mesh, axes, specs, who) -> _Counted:
@@ -71,13 +54,13 @@ def _counted(tree: Any, leaves: list, treedef, mesh, axes, specs, who) -> _Count
         replicated_axes = [set(axes) if leaf.dim() == 0 else set() for leaf in leaves]
     else:
         try:
-            per_leaf = _flat.broadcast_prefix(specs, tree, is_leaf=_is_spec)
-        except (ValueError, TypeError, KeyError, IndexError) as e:
-            raise ValueError(
+            per_leaf = _tree.broadcast_prefix(specs, tree, what="specs", is_prefix_leaf=is_spec)
+        except SpecError as e:
+            raise SpecError(
                 f"{who}: `specs` must be a pytree prefix of the gradients with a "
-                f"PartitionSpec or None per leaf (like `step.specs`).\n  optree says: {e}"
+                f"PartitionSpec or None per leaf (like `step.specs`).\n{e}"
             ) from None
-        replicated_axes = [set(axes) - _spec_axes(s) for s in per_leaf]
+        replicated_axes = [set(axes) - set(as_spec(s, f"{who}: specs").axes) for s in per_leaf]
     coords = mesh.coords
     keep = [all(coords[a] == 0 for a in rep) for rep in replicated_axes]
     return _Counted(treedef, None if all(keep) else [i for i, k in enumerate(keep) if k])
@@ -149,7 +132,7 @@ def global_norm(tree: Any, mesh: Any = None, axes: Axes = None, specs: Any = Non
         >>> optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor(4.0)})
         tensor(5.)
     """
-    leaves, treedef = _flat.flatten(tree)
+    leaves, treedef = _tree.flatten(tree)
     return _NormPlan(mesh, axes, specs, "global_norm").norm(tree, leaves, treedef)
 
 
@@ -194,7 +177,7 @@ def clip_by_global_norm(
 
     def update(updates, state, params=None):
         del params
-        leaves, treedef = _flat.flatten(updates)
+        leaves, treedef = _tree.flatten(updates)
         norm = plan.norm(updates, leaves, treedef)
         if not leaves:
             return updates, state
@@ -205,6 +188,6 @@ def clip_by_global_norm(
                 torch._foreach_mul_(leaves, coef)
         else:
             leaves = torch._foreach_mul(leaves, coef)
-        return _flat.unflatten(treedef, leaves), state
+        return _tree.unflatten(treedef, leaves), state
 
     return GradientTransformation(init, update)

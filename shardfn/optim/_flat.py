@@ -1,10 +1,10 @@
 """Flat-list plumbing shared by the optimizer transforms.
 
-Every transform flattens its pytrees once with optree at its boundary, works on
-flat lists of tensors with ``torch._foreach_*`` ops, and unflattens on the way out.
-This module holds the pieces of that boundary: flattening against a reference
-structure (with errors that name the first differing key path), the step counter,
-and guards for the corner cases of the foreach ops.
+Every transform flattens its pytrees once at its boundary (with the package's
+``shardfn._tree`` helpers), works on flat lists of tensors with ``torch._foreach_*``
+ops, and unflattens on the way out. This module holds what the optimizers add to that
+boundary: flattening against a reference structure (with errors that name the first
+differing key path), the step counter, and guards for the corner cases of the foreach ops.
 
 [Note: in-place mode]
 A transform built with ``inplace=True`` owns the buffers it is given: it updates its
@@ -19,23 +19,12 @@ inputs that a transform leaves unchanged (e.g. leaves masked out of weight decay
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import optree
 import torch
 
-NAMESPACE = "shardfn"
-
-
-def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
-    """Flatten ``tree`` in shardfn's optree namespace."""
-    return optree.tree_flatten(tree, namespace=NAMESPACE)
-
-
-def unflatten(treedef: optree.PyTreeSpec, leaves: Sequence[Any]) -> Any:
-    """Inverse of :func:`flatten`."""
-    return optree.tree_unflatten(treedef, leaves)
-
+from .. import _tree
 
 def leaves_like(
     treedef: optree.PyTreeSpec, tree: Any, name: str, who: str, ref: str = "the updates"
@@ -45,7 +34,7 @@ def leaves_like(
     Raises:
         ValueError: naming ``who``, the argument ``name`` and the first differing key path.
     """
-    leaves, other = optree.tree_flatten(tree, namespace=NAMESPACE)
+    leaves, other = _tree.flatten(tree)
     if other != treedef:
         raise ValueError(_structure_error(treedef, other, ref, name, who))
     return leaves
@@ -73,34 +62,6 @@ def _structure_error(expected, got, ref, name, who) -> str:
     )
 
 
-def broadcast_prefix(prefix: Any, tree: Any, is_leaf=None) -> list[Any]:
-    """One entry of ``prefix`` per leaf of ``tree``: a prefix leaf covers its whole subtree.
-
-    ``prefix`` must be a pytree prefix of ``tree`` (None counts as a prefix leaf). Values
-    are looked up by key path, so a plain-dict prefix of an ``OrderedDict`` (e.g. a
-    ``state_dict()``) lines up by key, whatever the two orders (``optree.broadcast_prefix``
-    pairs them by position).
-
-    Raises:
-        ValueError: optree's description of where ``prefix`` is not a prefix of ``tree``.
-    """
-    values, prefix_def = optree.tree_flatten(prefix, is_leaf=is_leaf, namespace=NAMESPACE)
-    if prefix_def == optree.tree_structure(tree, namespace=NAMESPACE):
-        return values  # a full tree of the same structure: positions agree
-    optree.broadcast_prefix(prefix, tree, is_leaf=is_leaf, none_is_leaf=True, namespace=NAMESPACE)
-    out = []
-    for accessor in optree.tree_accessors(tree, namespace=NAMESPACE):
-        node = prefix
-        for entry in accessor:
-            if (is_leaf is not None and is_leaf(node)) or optree.tree_structure(
-                node, none_is_leaf=True, namespace=NAMESPACE
-            ).is_leaf():
-                break
-            node = entry(node)
-        out.append(node)
-    return out
-
-
 def require_params(params: Any, who: str) -> None:
     if params is None:
         raise ValueError(
@@ -111,8 +72,9 @@ def require_params(params: Any, who: str) -> None:
 def writable(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Return ``leaves`` with any tensor whose elements share memory replaced by a copy.
 
-    In-place mode writes its output into the gradient buffers (see [Note: in-place
-    mode]); an expanded gradient (stride 0) cannot be written, so only those are copied.
+    In-place mode writes its output into the gradient buffers (see
+    [Note: in-place mode]); an expanded gradient (stride 0) cannot be written, so only
+    those are copied.
     """
     out = leaves
     for i, t in enumerate(leaves):

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import _tree
 from . import _flat
 from .base import GradientTransformation
 
@@ -53,13 +54,13 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, inplace: bool = False) -
     who = "scale_by_lion.update"
 
     def init(params):
-        leaves, treedef = _flat.flatten(params)
-        mu = _flat.unflatten(treedef, _flat.zeros_like(leaves))
+        leaves, treedef = _tree.flatten(params)
+        mu = _tree.unflatten(treedef, _flat.zeros_like(leaves))
         return ScaleByLionState(count=_flat.new_count(), mu=mu)
 
     def update(updates, state, params=None):
         del params
-        g, treedef = _flat.flatten(updates)
+        g, treedef = _tree.flatten(updates)
         mu = _flat.leaves_like(treedef, state.mu, "state.mu", who)
         count, _ = _flat.bump_count(state.count, inplace)
         if not g:
@@ -71,10 +72,10 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, inplace: bool = False) -
                 torch._foreach_lerp_(g, mu, b1)
                 torch._foreach_lerp_(mu, g, (1.0 - b2) / (1.0 - b1))
                 torch._foreach_sign_(g)
-            return _flat.unflatten(treedef, g), ScaleByLionState(count, state.mu)
+            return _tree.unflatten(treedef, g), ScaleByLionState(count, state.mu)
         out = torch._foreach_lerp(mu, g, 1.0 - b1)
         torch._foreach_sign_(out)
         mu = torch._foreach_lerp(mu, g, 1.0 - b2)
-        return _flat.unflatten(treedef, out), ScaleByLionState(count, _flat.unflatten(treedef, mu))
+        return _tree.unflatten(treedef, out), ScaleByLionState(count, _tree.unflatten(treedef, mu))
 
     return GradientTransformation(init, update)

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import _tree
 from . import _flat
 from .base import GradientTransformation
 
@@ -47,12 +48,12 @@ def trace(decay: float, nesterov: bool = False, *, inplace: bool = False) -> Gra
     who = "trace.update"
 
     def init(params):
-        leaves, treedef = _flat.flatten(params)
-        return TraceState(trace=_flat.unflatten(treedef, _flat.zeros_like(leaves)))
+        leaves, treedef = _tree.flatten(params)
+        return TraceState(trace=_tree.unflatten(treedef, _flat.zeros_like(leaves)))
 
     def update(updates, state, params=None):
         del params
-        g, treedef = _flat.flatten(updates)
+        g, treedef = _tree.flatten(updates)
         tr = _flat.leaves_like(treedef, state.trace, "state.trace", who)
         if not g:
             return updates, state
@@ -67,11 +68,11 @@ def trace(decay: float, nesterov: bool = False, *, inplace: bool = False) -> Gra
                     # The update must not alias the buffer: later in-place transforms
                     # (e.g. the learning rate) write into it.
                     torch._foreach_copy_(g, tr)
-            return _flat.unflatten(treedef, g), state
+            return _tree.unflatten(treedef, g), state
         tr = torch._foreach_mul(tr, decay)
         torch._foreach_add_(tr, g)
         out = torch._foreach_add(g, tr, alpha=decay) if nesterov else tr
-        new_trace = _flat.unflatten(treedef, tr)
-        return _flat.unflatten(treedef, out), TraceState(trace=new_trace)
+        new_trace = _tree.unflatten(treedef, tr)
+        return _tree.unflatten(treedef, out), TraceState(trace=new_trace)
 
     return GradientTransformation(init, update)

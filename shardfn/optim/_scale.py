@@ -6,6 +6,7 @@ from typing import Callable, NamedTuple, Union
 
 import torch
 
+from .. import _tree
 from . import _flat, _fusion
 from .base import EmptyState, GradientTransformation
 
@@ -52,8 +53,8 @@ def scale(step_size: float, *, inplace: bool = False) -> GradientTransformation:
 
     def update(updates, state, params=None):
         del params
-        leaves, treedef = _flat.flatten(updates)
-        return _flat.unflatten(treedef, _scale_leaves(leaves, step_size, inplace)), state
+        leaves, treedef = _tree.flatten(updates)
+        return _tree.unflatten(treedef, _scale_leaves(leaves, step_size, inplace)), state
 
     fusion = _fusion.Fusion("factor", factor=lambda state: step_size, advance=lambda state: state)
     return GradientTransformation(init, _fusion.mark(update, fusion))
@@ -87,9 +88,9 @@ def scale_by_schedule(
 
     def update(updates, state, params=None):
         del params
-        leaves, treedef = _flat.flatten(updates)
+        leaves, treedef = _tree.flatten(updates)
         leaves = _scale_leaves(leaves, factor(state), inplace)
-        return _flat.unflatten(treedef, leaves), advance(state)
+        return _tree.unflatten(treedef, leaves), advance(state)
 
     def factor(state):
         return float(step_size_fn(_flat.read_count(state.count)))

@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional, Union
 import optree
 import torch
 
+from .. import _tree
+from .._errors import SpecError
 from . import _flat, _fusion
 from .base import EmptyState, GradientTransformation
 
@@ -29,15 +31,15 @@ def _selected(mask: Optional[Mask], params: Any, who: str) -> Optional[list[int]
 
 def _flags_to_index(tree: Any, params: Any, who: str) -> list[int]:
     try:
-        flags = _flat.broadcast_prefix(tree, params)
-    except (ValueError, TypeError, KeyError, IndexError) as e:
+        flags = _tree.broadcast_prefix(tree, params, what="mask", is_prefix_leaf=lambda _: False)
+    except SpecError as e:
         raise ValueError(
             f"{who}: `mask` must be a pytree of bools with the structure of the params "
-            f"(or a prefix of it), or a callable returning one.\n  optree says: {e}"
+            f"(or a prefix of it), or a callable returning one.\n{e}"
         ) from None
     for i, f in enumerate(flags):
         if not isinstance(f, (bool, torch.Tensor)) and f not in (0, 1):
-            path = optree.tree_accessors(params, namespace=_flat.NAMESPACE)[i].codify("params")
+            path = optree.tree_accessors(params, namespace=_tree.NAMESPACE)[i].codify("params")
             raise ValueError(f"{who}: mask entry for {path} is {f!r}; expected a bool.")
     return [i for i, f in enumerate(flags) if bool(f)]
 
@@ -75,7 +77,7 @@ def add_decayed_weights(
     def selected(params):
         if mask is None or callable(mask):
             return _selected(mask, params, who)
-        key = optree.tree_structure(params, namespace=_flat.NAMESPACE)
+        key = optree.tree_structure(params, namespace=_tree.NAMESPACE)
         if key not in cache:
             cache[key] = _selected(mask, params, who)
         return cache[key]
@@ -92,7 +94,7 @@ def add_decayed_weights(
         if weight_decay == 0.0:
             return updates, state
         _flat.require_params(params, who)
-        u, treedef = _flat.flatten(updates)
+        u, treedef = _tree.flatten(updates)
         p = _flat.leaves_like(treedef, params, "params", who)
         index = selected(params)
         us = u if index is None else [u[i] for i in index]
@@ -111,7 +113,7 @@ def add_decayed_weights(
             u = list(u)
             for i, t in zip(index, us):
                 u[i] = t
-        return _flat.unflatten(treedef, u), state
+        return _tree.unflatten(treedef, u), state
 
     _fusion.mark(update, _fusion.Fusion("linear", scaled=scaled))
     return GradientTransformation(init, update)

@@ -18,6 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from .. import _tree
 from . import _flat, _fusion
 
 
@@ -139,7 +140,7 @@ def apply_updates(params: Any, updates: Any, *, inplace: bool = False) -> Any:
         >>> optim.apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})["w"]
         tensor([0.5000, 0.5000])
     """
-    p, treedef = _flat.flatten(params)
+    p, treedef = _tree.flatten(params)
     u = _flat.leaves_like(treedef, updates, "updates", "apply_updates", ref="the params")
     if not p:
         return params
@@ -149,4 +150,4 @@ def apply_updates(params: Any, updates: Any, *, inplace: bool = False) -> Any:
         return params
     new = torch._foreach_add(p, u)
     new = [n if n.dtype == q.dtype else n.to(q.dtype) for n, q in zip(new, p)]
-    return _flat.unflatten(treedef, new)
+    return _tree.unflatten(treedef, new)

@@ -4,7 +4,9 @@ Ranks are row-major over the mesh axes; a spec entry naming a tuple of axes spli
 over their product (first axis major); blocks follow `torch.chunk` (trailing blocks
 shorter or empty); an axis an out spec omits means "replicated", and `join_blocks` takes
 the value of the ranks at coordinate 0 on it (checking, by default, that the others agree).
-Written independently of shardfn's backend, on purpose: tests compare the two.
+It shares shardfn's spec arithmetic (`_spec.py`) and rank layout (`rank_coords`) but none
+of its collectives, on purpose: tests compare the blocks it builds with the ones the
+backends move.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any, Mapping, Sequence
 import optree
 import torch
 
-from .._spec import PartitionSpec, block_index, chunk_bounds, entry_axes
+from .._backend.base import rank_coords
+from .._spec import PartitionSpec, as_spec, block_index, entry_axes, is_spec, local_block
 
 __all__ = [
     "ReferenceCheckError",
@@ -32,34 +35,12 @@ class ReferenceCheckError(AssertionError):
     """The program is not a valid SPMD program (ranks disagree, a shape does not fit, ...)."""
 
 
-# -- mesh arithmetic (kept independent of shardfn's backend on purpose) -----------------
-
-
 def _shape(mesh_shape) -> dict[str, int]:
     return dict(mesh_shape.shape if hasattr(mesh_shape, "shape") and not isinstance(mesh_shape, Mapping)
                 else mesh_shape)
 
 
-def rank_coords(rank: int, mesh_shape: Mapping[str, int]) -> dict[str, int]:
-    """Coordinates of `rank`, row-major over the mesh axes (the last axis fastest)."""
-    coords = {}
-    for axis in reversed(list(mesh_shape)):
-        rank, coords[axis] = divmod(rank, mesh_shape[axis])
-    return {axis: coords[axis] for axis in mesh_shape}
-
-
-def _coords_rank(coords: Mapping[str, int], mesh_shape: Mapping[str, int]) -> int:
-    rank = 0
-    for axis, size in mesh_shape.items():
-        rank = rank * size + coords[axis]
-    return rank
-
-
 # -- global <-> blocks -----------------------------------------------------------------
-
-
-def _spec(spec) -> PartitionSpec:
-    return PartitionSpec() if spec is None else spec
 
 
 def _check_spec(spec: PartitionSpec, ndim: int, mesh_shape) -> None:
@@ -72,22 +53,12 @@ def _check_spec(spec: PartitionSpec, ndim: int, mesh_shape) -> None:
         raise ReferenceCheckError(f"spec {spec!r} uses an axis twice")
 
 
-def _block(x: torch.Tensor, spec: PartitionSpec, coords, mesh_shape) -> torch.Tensor:
-    for dim, entry in enumerate(spec):
-        if not entry_axes(entry):
-            continue
-        index, count = block_index(entry, coords, mesh_shape)
-        start, stop = chunk_bounds(x.shape[dim], count, index)
-        x = x.narrow(dim, start, stop - start)
-    return x
-
-
 def split_blocks(x: torch.Tensor, spec, mesh_shape) -> list[torch.Tensor]:
     """Every rank's block of the global `x` under `spec`, in rank order (differentiable views)."""
-    mesh_shape, spec = _shape(mesh_shape), _spec(spec)
+    mesh_shape, spec = _shape(mesh_shape), as_spec(spec)
     _check_spec(spec, x.dim(), mesh_shape)
     n = math.prod(mesh_shape.values())
-    return [_block(x, spec, rank_coords(r, mesh_shape), mesh_shape) for r in range(n)]
+    return [local_block(x, spec, rank_coords(r, mesh_shape), mesh_shape) for r in range(n)]
 
 
 def local_blocks(tree, specs, mesh) -> Any:
@@ -107,7 +78,7 @@ def join_blocks(blocks: Sequence[torch.Tensor], spec, mesh_shape, *, check: bool
     `check`, every other rank's block must agree with it (skipped for functorch-wrapped
     tensors, whose values cannot be compared here).
     """
-    mesh_shape, spec = _shape(mesh_shape), _spec(spec)
+    mesh_shape, spec = _shape(mesh_shape), as_spec(spec)
     omitted = [a for a in mesh_shape if a not in spec.axes]
     sharded = [(d, e) for d, e in enumerate(spec) if entry_axes(e)]
     by_key: dict[tuple, torch.Tensor] = {}
@@ -142,14 +113,10 @@ def join_blocks(blocks: Sequence[torch.Tensor], spec, mesh_shape, *, check: bool
     return build(())
 
 
-def _is_spec(x) -> bool:
-    return x is None or isinstance(x, PartitionSpec)
-
-
 def _spec_leaves(specs, tree) -> list[PartitionSpec]:
     from .._tree import broadcast_prefix
 
-    return [_spec(s) for s in broadcast_prefix(specs, tree, what="specs", is_prefix_leaf=_is_spec)]
+    return [as_spec(s) for s in broadcast_prefix(specs, tree, what="specs", is_prefix_leaf=is_spec)]
 
 
 def split_tree(tree, specs, mesh_shape) -> list:

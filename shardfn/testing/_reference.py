@@ -42,14 +42,13 @@ from typing import Any, Callable
 import optree
 import torch
 
+from .._backend.base import coords_rank, rank_coords
 from ._blocks import (
     ReferenceCheckError,
-    _coords_rank,
     _shape,
     join_blocks,
     join_tree,
     local_blocks,
-    rank_coords,
     split_blocks,
     split_tree,
 )
@@ -80,7 +79,7 @@ def _members(rank: int, axes: tuple[str, ...], mesh_shape) -> list[int]:
     base = rank_coords(rank, mesh_shape)
     out = []
     for varying in itertools.product(*(range(mesh_shape[a]) for a in axes)):
-        out.append(_coords_rank({**base, **dict(zip(axes, varying))}, mesh_shape))
+        out.append(coords_rank({**base, **dict(zip(axes, varying))}, mesh_shape))
     return out
 
 
