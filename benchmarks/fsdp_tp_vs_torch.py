@@ -13,8 +13,8 @@ mesh of gloo processes, 1 thread per rank:
 Repetitions are interleaved (A B A B ...) so machine drift hits both alike. Prints a
 table and writes JSON (and a PNG when matplotlib is present).
 
-    python benchmarks/fsdp_tp_vs_torch.py              # width 512, 6 blocks, 4 ranks
-    python benchmarks/fsdp_tp_vs_torch.py --tiny       # seconds; what the test suite runs
+    python -m benchmarks.fsdp_tp_vs_torch              # width 512, 6 blocks, 4 ranks
+    python -m benchmarks.fsdp_tp_vs_torch --tiny       # seconds; what the test suite runs
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import shardfn as sf  # noqa: E402
-from shardfn.testing import run_multiprocess  # noqa: E402
-from fsdp_vs_ddp import shardfn_trainer, torch_trainer  # noqa: E402  (the same trainers as the 1-D benchmark)
+import shardfn as sf
+from shardfn.testing import run_multiprocess
+from benchmarks.fsdp_vs_ddp import shardfn_trainer, torch_trainer  # the same trainers as the 1-D benchmark
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 

@@ -4,9 +4,9 @@ Same model, data, world size and threads per rank for every method, in one multi
 gloo run, with interleaved repetitions (A B C A B C ...) so that machine drift hits all
 alike. Prints a table and writes JSON (and a PNG bar chart when matplotlib is present).
 
-    python benchmarks/fsdp_vs_ddp.py                 # GPT + MLP, world sizes 2 and 4
-    python benchmarks/fsdp_vs_ddp.py --tiny          # seconds; what the test suite runs
-    python benchmarks/fsdp_vs_ddp.py --models gpt --world-sizes 2 --reps 7
+    python -m benchmarks.fsdp_vs_ddp                 # GPT + MLP, world sizes 2 and 4
+    python -m benchmarks.fsdp_vs_ddp --tiny          # seconds; what the test suite runs
+    python -m benchmarks.fsdp_vs_ddp --models gpt --world-sizes 2 --reps 7
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import shardfn as sf  # noqa: E402
-from shardfn.testing import run_multiprocess  # noqa: E402
-from shardfn.testing.models import GPT, MLP, GPTConfig  # noqa: E402
+import shardfn as sf
+from shardfn.testing import run_multiprocess
+from shardfn.testing.models import GPT, MLP, GPTConfig
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 LR = 1e-3

@@ -6,8 +6,8 @@ scale): the rank's shards, its gradient shards, its AdamW state, and the peak by
 gathered (unsharded) parameters from `step.stats()`. The formula for fp32 AdamW is
 (4 + 4 + 8) * numel / N bytes of state, plus at most 2 units + the root gathered at once.
 
-    python benchmarks/memory_scaling.py            # writes results/memory_scaling.{json,png}
-    python benchmarks/memory_scaling.py --tiny
+    python -m benchmarks.memory_scaling            # writes results/memory_scaling.{json,png}
+    python -m benchmarks.memory_scaling --tiny
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import shardfn as sf  # noqa: E402
-from shardfn.testing.models import MLP  # noqa: E402
+import shardfn as sf
+from shardfn.testing.models import MLP
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 

@@ -12,8 +12,8 @@ Modes:
   ours-inplace    adamw(..., inplace=True) + apply_updates(..., inplace=True)
 
 Usage:
-  python benchmarks/optim_update.py            # full run, writes benchmarks/results/optim_update.json
-  python benchmarks/optim_update.py --tiny     # seconds-long smoke run
+  python -m benchmarks.optim_update            # full run, writes benchmarks/results/optim_update.json
+  python -m benchmarks.optim_update --tiny     # seconds-long smoke run
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import shardfn.optim as optim  # noqa: E402
+import shardfn.optim as optim
 
 LR, WD = 1e-3, 1e-2
 

@@ -4,7 +4,7 @@ The simulated mesh runs every rank as a thread of one process (convenient for no
 and tests); this measures what that costs against one process per rank (gloo, fork).
 Both use one intra-op thread per rank. Prints the median step time of each and the ratio.
 
-    python benchmarks/simulated_overhead.py [--tiny] [--world 2] [--steps 5]
+    python -m benchmarks.simulated_overhead [--tiny] [--world 2] [--steps 5]
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import shardfn as sf  # noqa: E402
-from shardfn.testing import run_multiprocess  # noqa: E402
-from shardfn.testing.models import MLP  # noqa: E402
+import shardfn as sf
+from shardfn.testing import run_multiprocess
+from shardfn.testing.models import MLP
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 

@@ -17,15 +17,12 @@ import argparse
 import datetime
 import os
 import signal
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import shardfn as sf  # noqa: E402
-from shardfn.testing.models import mlp_loss, mlp_params  # noqa: E402
+import shardfn as sf
+from shardfn.testing.models import mlp_loss, mlp_params
 
 
 def batch_for(step: int, rank: int):

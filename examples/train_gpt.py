@@ -2,8 +2,9 @@
 
 The text is the Python standard library's own source (every machine has it), read in a
 fixed file order; the vocabulary is newline plus printable ASCII. The model is nanoGPT's,
-defined below; `sf.functional` turns it into a function of a parameter tree, `sf.shard`
-shards that tree over the mesh, and `sf.optim.adamw` updates this rank's shards in place.
+`shardfn.testing.models.GPT` (the one the tests shard too); `sf.functional` turns it into a
+function of a parameter tree, `sf.shard` shards that tree over the mesh (`parallelize`
+below says how), and `sf.optim.adamw` updates this rank's shards in place.
 
     python examples/train_gpt.py                      # 4 ranks as threads of this process
     python examples/train_gpt.py --mesh hsdp --bf16   # {'replica': 2, 'shard': 2}, bf16 compute
@@ -22,13 +23,14 @@ import glob
 import json
 import os
 import time
+from typing import Callable, NamedTuple
 
 import optree
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 import shardfn as sf
+from shardfn.testing.models import GPT, GPTConfig
 
 # -- config ---------------------------------------------------------------------------
 
@@ -80,42 +82,12 @@ def get_batch(data: torch.Tensor, cfg: Config, seed: int, step: int, rank: int):
     return chunk[:, :-1], chunk[:, 1:]  # inputs, targets: (B, T) each
 
 
-# -- the model (nanoGPT) ----------------------------------------------------------------
+# -- the model: nanoGPT's GPT (shardfn/testing/models.py), from one explicit generator --
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.ln_1, self.ln_2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
-
-    def forward(self, x):  # (B, T, C)
-        B, T, C = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
-        x = x + self.c_proj(y)
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, cfg: Config, vocab_size: int):
-        super().__init__()
-        self.wte = nn.Embedding(vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])  # one FSDP unit per block
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied: stored (and sharded) once
-
-    def forward(self, idx):  # (B, T) int64
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+def gpt_config(cfg: Config) -> GPTConfig:
+    return GPTConfig(vocab_size=len(VOCAB), block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, sdpa=True)
 
 
 def init_params(params, seed: int):
@@ -131,30 +103,51 @@ def init_params(params, seed: int):
     return optree.tree_unflatten(treedef, out)
 
 
-# -- tensor parallelism (--mesh fsdp_tp) -------------------------------------------------
-#
-# Megatron's split of each block over the 'model' axis (Shoeybi et al., 2019): the
-# attention heads and the MLP's hidden units are divided between the 'model' ranks, so
-# each block needs one psum over 'model' after attention and one after the MLP. The
-# same parameters as the module's, with c_attn viewed as (3, C_out, C_in) so that
-# splitting dim 1 gives every rank its heads of q, k and v. `sf.shard(...,
-# param_specs=tp_spec)` gives loss_fn this rank's blocks and FSDP-shards them over
-# 'data'; the gradients follow shard_map's transpose rule (see docs/howto/fsdp-tp.md).
+# -- parallelization: how the GPT is split over the mesh ---------------------------------
+
+
+class Plan(NamedTuple):
+    forward: Callable  # (params, idx (B, T)) -> logits (B, T, vocab), on this rank's blocks
+    shard_options: dict  # for sf.shard: data_axes, shard_axes (and param_specs)
+    to_layout: Callable  # the module's tree -> the tree sf.shard splits
+    from_layout: Callable  # and back (for sampling from the gathered parameters)
+
+
+def parallelize(kind: str, mesh, apply_fn, cfg: Config) -> Plan:
+    """fsdp / hsdp: ZeRO-3 over the module's own tree (hsdp: sharded over 'shard' only,
+    gradients averaged over 'replica' too); fsdp_tp: Megatron's split of every block over
+    'model' (below), FSDP over 'data'."""
+    data_axes = tuple(a for a in mesh.axis_names if a != "model")  # the axes that split the batch
+    options = dict(data_axes=data_axes, shard_axes="shard" if kind == "hsdp" else "data")
+    if kind != "fsdp_tp":
+        return Plan(apply_fn, options, lambda p: p, lambda p: p)
+    return Plan(lambda p, idx: tp_forward(p, idx, cfg), dict(options, param_specs=tp_spec),
+                lambda p: to_tp(p, cfg), lambda p: from_tp(p, cfg))
+
+
+# Tensor parallelism (--mesh fsdp_tp): Megatron's split of each block over the 'model'
+# axis (Shoeybi et al., 2019). The attention heads and the MLP's hidden units are divided
+# between the 'model' ranks, so each block needs one psum over 'model' after attention
+# and one after the MLP. The same parameters as the module's, with c_attn viewed as
+# (3, C_out, C_in) so that splitting dim 1 gives every rank its heads of q, k and v.
+# `sf.shard(..., param_specs=tp_spec)` gives loss_fn this rank's blocks and FSDP-shards
+# them over 'data'; the gradients follow shard_map's transpose rule (docs/howto/fsdp-tp.md).
+
+TP_SPECS = {  # a block's leaf (its path below transformer.h[i]) -> its split over 'model'
+    ("attn", "c_attn", "weight"): sf.P(None, "model"),  # column-parallel (3, C, C): this rank's heads
+    ("attn", "c_attn", "bias"): sf.P(None, "model"),  # (3, C)
+    ("attn", "c_proj", "weight"): sf.P(None, "model"),  # row-parallel (C_out, C_in): its inputs
+    ("mlp", 0, "weight"): sf.P("model"),  # column-parallel (4C, C)
+    ("mlp", 0, "bias"): sf.P("model"),  # (4C,)
+    ("mlp", 2, "weight"): sf.P(None, "model"),  # row-parallel (C, 4C)
+}
 
 
 def tp_spec(path) -> sf.P:
-    """How a parameter of the tree `to_tp` makes is split over 'model' (None: replicated)."""
-    if path[0] != "h":
-        return None  # embeddings, final LayerNorm: replicated over 'model'
-    if path[2] == "c_attn":  # column-parallel (3, C, C) / (3, C): this rank's heads
-        return sf.P(None, "model")
-    if path[2] == "c_proj" and path[3] == "weight":  # row-parallel (C_out, C_in): its inputs
-        return sf.P(None, "model")
-    if path[2] == "mlp" and path[3] == 0:  # column-parallel (4C, C) and (4C,)
-        return sf.P("model")
-    if path[2] == "mlp" and path[4] == "weight":  # row-parallel (C, 4C)
-        return sf.P(None, "model")
-    return None  # LayerNorms and the biases added after a psum
+    """How a parameter of the tree `to_tp` makes is split over 'model' (None: replicated:
+    embeddings, LayerNorms and the biases added after a psum)."""
+    path = tuple(path)
+    return TP_SPECS.get(path[3:]) if path[:2] == ("transformer", "h") else None
 
 
 def to_tp(params, cfg: Config):
@@ -172,20 +165,22 @@ def tp_forward(params, idx, cfg: Config):
     """GPT.forward on this rank's blocks of the `to_tp` tree; logits on every 'model' rank."""
     B, T = idx.shape
     C, hs = cfg.n_embd, cfg.n_embd // cfg.n_head
-    x = params["wte"]["weight"][idx] + params["wpe"]["weight"][:T]  # (B, T, C)
-    for blk in params["h"]:
+    tf = params["transformer"]
+    x = tf["wte"]["weight"][idx] + tf["wpe"]["weight"][:T]  # (B, T, C)
+    for blk in tf["h"]:
         h = F.layer_norm(x, (C,), blk["ln_1"]["weight"], blk["ln_1"]["bias"])
-        w, b = blk["c_attn"]["weight"], blk["c_attn"]["bias"]  # (3, C / model, C), (3, C / model)
+        attn = blk["attn"]
+        w, b = attn["c_attn"]["weight"], attn["c_attn"]["bias"]  # (3, C / model, C), (3, C / model)
         q, k, v = torch.einsum("btc,koc->kbto", h, w) + b[:, None, None, :]  # each (B, T, C / model)
         nh = q.shape[-1] // hs  # this rank's heads
         q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, nh * hs)
-        x = x + sf.psum(y @ blk["c_proj"]["weight"].T, "model") + blk["c_proj"]["bias"]  # row-parallel
+        x = x + sf.psum(y @ attn["c_proj"]["weight"].T, "model") + attn["c_proj"]["bias"]  # row-parallel
         h = F.layer_norm(x, (C,), blk["ln_2"]["weight"], blk["ln_2"]["bias"])
         a = F.gelu(h @ blk["mlp"][0]["weight"].T + blk["mlp"][0]["bias"])  # (B, T, 4C / model)
         x = x + sf.psum(a @ blk["mlp"][2]["weight"].T, "model") + blk["mlp"][2]["bias"]
-    x = F.layer_norm(x, (C,), params["ln_f"]["weight"], params["ln_f"]["bias"])
-    return x @ params["wte"]["weight"].T  # the tied head: (B, T, vocab)
+    x = F.layer_norm(x, (C,), tf["ln_f"]["weight"], tf["ln_f"]["bias"])
+    return x @ tf["wte"]["weight"].T  # the tied head: (B, T, vocab)
 
 
 # -- training: the per-rank program ---------------------------------------------------
@@ -225,20 +220,16 @@ class Progress:
 def train(mesh, cfg: Config, args, apply_fn, params, data):
     """Run on every rank. Returns (losses, full params, per-rank memory table)."""
     torch.set_num_threads(1)  # the ranks are the parallelism; keep runs reproducible
-    tp = args.mesh == "fsdp_tp"
-    data_axes = tuple(a for a in mesh.axis_names if a != "model")  # the axes that split the batch
-    shard_axes = "shard" if args.mesh == "hsdp" else "data"
-    forward = (lambda p, x: tp_forward(p, x, cfg)) if tp else apply_fn
+    plan = parallelize(args.mesh, mesh, apply_fn, cfg)
 
     def loss_fn(params, batch):
         x, y = batch  # (B, T), (B, T)
-        logits = forward(params, x)  # (B, T, vocab)
+        logits = plan.forward(params, x)  # (B, T, vocab)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
     mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
-    step = sf.shard(loss_fn, mesh, data_axes=data_axes, shard_axes=shard_axes, mixed_precision=mp,
-                    param_specs=tp_spec if tp else None)
-    shards = step.shard_params(to_tp(params, cfg) if tp else params)  # fp32 master weights: this rank's chunks
+    step = sf.shard(loss_fn, mesh, mixed_precision=mp, **plan.shard_options)
+    shards = step.shard_params(plan.to_layout(params))  # fp32 master weights: this rank's chunks
     warmup = min(cfg.warmup, cfg.steps // 5)  # short runs (smoke tests) get a short warmup
     schedule = sf.optim.warmup_cosine_decay_schedule(cfg.lr / 10, cfg.lr, warmup, cfg.steps, cfg.lr / 10)
     decay_matrices = lambda tree: optree.tree_map(lambda p: p.dim() >= 2, tree)  # noqa: E731
@@ -255,7 +246,7 @@ def train(mesh, cfg: Config, args, apply_fn, params, data):
     rank0 = mesh.rank == 0
     progress = Progress(cfg.steps, start, enabled=rank0 and not args.quiet)
     static_bytes = 2 * tree_bytes(shards) + tree_bytes(opt_state)  # shards + their grads + AdamW state
-    data_group = mesh.group(data_axes)  # 'model' ranks share their data rank's batch
+    data_group = mesh.group(plan.shard_options["data_axes"])  # 'model' ranks share their data rank's batch
     data_rank, data_size = data_group.index, data_group.size
     tokens = cfg.batch_size * cfg.block_size * data_size
     pending = None  # the asynchronous save in flight, if any
@@ -282,7 +273,7 @@ def train(mesh, cfg: Config, args, apply_fn, params, data):
     table[mesh.rank] = torch.tensor(row, dtype=torch.float64)
     mesh.all_reduce(table, None)  # every rank's row, on every rank
     full = step.unshard_params(shards)
-    return losses, from_tp(full, cfg) if tp else full, table.long().tolist()
+    return losses, plan.from_layout(full), table.long().tolist()
 
 
 # -- checkpoints (sf.checkpoint) ------------------------------------------------------
@@ -411,8 +402,7 @@ def main():
     mesh = sf.init_mesh(shape, timeout=120) if distributed else sf.local_mesh(shape, timeout=120)
 
     data = load_text(cfg.text_chars)
-    model = GPT(cfg, len(VOCAB))
-    apply_fn, params = sf.functional(model)
+    apply_fn, params = sf.functional(GPT(gpt_config(cfg)))
     params = init_params(params, args.seed)
     data_ranks = world // 2 if args.mesh == "fsdp_tp" else world  # the 'model' ranks share a batch
     if not distributed or mesh.rank == 0:

@@ -8,6 +8,9 @@ in the same run.
     python scripts/device_check.py                  # CUDA if available, else CPU (a dry run)
     python scripts/device_check.py --device cpu     # the dry run: what CI could run
 
+shardfn must be importable: installed (`pip install -e .`, scripts/setup.sh), or, on a
+machine with only torch and optree, `PYTHONPATH=. python scripts/device_check.py`.
+
 Checks:
   1. nccl-1rank   NCCL process group (world 1) + sf.shard GPT, 5 AdamW steps == plain
                   torch training on the same device (fp32, 1e-4).
@@ -32,12 +35,10 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import shardfn as sf  # noqa: E402
-import shardfn.checkpoint as ckpt  # noqa: E402
-from shardfn.testing import run_multiprocess  # noqa: E402
-from shardfn.testing.models import GPT, GPTConfig, mlp_loss, mlp_params  # noqa: E402
+import shardfn as sf
+import shardfn.checkpoint as ckpt
+from shardfn.testing import run_multiprocess
+from shardfn.testing.models import GPT, GPTConfig, mlp_loss, mlp_params
 
 RESULTS: dict[str, dict] = {}
 

@@ -71,6 +71,21 @@ __all__ = [
     "scatter",
     "shard",
     "shard_map",
+    "testing",
     "train_step",
     "visualize_sharding",
 ]
+
+
+def __getattr__(name: str):
+    """`sf.testing` is imported on first access, so `import shardfn` stays light (the test
+    helpers pull in multiprocessing machinery, and `shardfn.testing.strategies` hypothesis)."""
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module(".testing", __name__)  # also binds shardfn.testing
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | {"testing"})

@@ -1,18 +1,15 @@
 """Every benchmark runs once at a tiny size, so the scripts keep working. Nothing here
 asserts a time: only that they run, write their JSON, and report the numbers that do not
-depend on speed (bytes, equal losses)."""
+depend on speed (bytes, equal losses). `benchmarks` is a package, importable from the
+repository root (pyproject's pytest `pythonpath`), as `python -m benchmarks.x` runs it."""
 
 import json
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-
 
 def test_memory_scaling_matches_the_zero3_formula(tmp_path):
-    import memory_scaling
+    from benchmarks import memory_scaling
 
     rows = memory_scaling.main(["--tiny", "--out", str(tmp_path / "mem")])
     assert [r["world"] for r in rows] == [1, 2, 4]
@@ -24,7 +21,7 @@ def test_memory_scaling_matches_the_zero3_formula(tmp_path):
 
 @pytest.mark.multiprocess
 def test_fsdp_vs_ddp_tiny(tmp_path):
-    import fsdp_vs_ddp
+    from benchmarks import fsdp_vs_ddp
 
     (row,) = fsdp_vs_ddp.main(["--tiny", "--models", "gpt", "--world-sizes", "2", "--out", str(tmp_path / "cmp")])
     assert set(row["median_step_s"]) == {"shardfn", "fsdp2", "ddp"}
@@ -38,7 +35,7 @@ def test_fsdp_vs_ddp_tiny(tmp_path):
 
 @pytest.mark.multiprocess
 def test_fsdp_tp_vs_torch_tiny(tmp_path):
-    import fsdp_tp_vs_torch
+    from benchmarks import fsdp_tp_vs_torch
 
     result = fsdp_tp_vs_torch.main(["--tiny", "--out", str(tmp_path / "tp")])
     assert result["mesh"] == {"data": 2, "model": 2} and set(result["median_step_s"]) == {"shardfn", "torch"}
@@ -51,7 +48,7 @@ def test_fsdp_tp_vs_torch_tiny(tmp_path):
 
 @pytest.mark.multiprocess
 def test_simulated_overhead_tiny(tmp_path):
-    import simulated_overhead
+    from benchmarks import simulated_overhead
 
     sim, dist = simulated_overhead.main(["--tiny", "--out", str(tmp_path / "sim.json")])
     assert sim > 0 and dist > 0
@@ -59,7 +56,7 @@ def test_simulated_overhead_tiny(tmp_path):
 
 
 def test_optim_update_tiny(tmp_path):
-    import optim_update
+    from benchmarks import optim_update
 
     optim_update.main(["--tiny", "--out", str(tmp_path / "opt.json")])
     report = json.loads((tmp_path / "opt.json").read_text())

@@ -1,8 +1,11 @@
 """Small models for tests, examples and benchmarks: a nanoGPT-style GPT and an MLP.
 
-The GPT follows nanoGPT's layout (blocks in an `nn.ModuleList` under `transformer.h`,
-the output head tied to the token embedding, a causal mask as a non-persistent buffer),
-so `sf.functional` + `sf.shard` exercise per-block units, ties and buffers.
+The GPT is the one the examples train too (`examples/train_gpt.py`): nanoGPT's layout
+(blocks in an `nn.ModuleList` under `transformer.h`, the output head tied to the token
+embedding, a causal mask as a non-persistent buffer), so `sf.functional` + `sf.shard`
+exercise per-block units, ties and buffers. `GPTConfig(sdpa=True)` computes attention
+with `F.scaled_dot_product_attention` instead, with no mask buffer (as nanoGPT does
+where flash attention is available); the parameter tree is the same either way.
 """
 
 from __future__ import annotations
@@ -25,25 +28,30 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 256
     bias: bool = True
+    sdpa: bool = False  # attention by F.scaled_dot_product_attention, not an explicit masked softmax
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head, self.sdpa = cfg.n_head, cfg.sdpa
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
-        self.register_buffer("mask", mask.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
+        if not cfg.sdpa:
+            mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
+            self.register_buffer("mask", mask.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
 
     def forward(self, x):  # (B, T, C)
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.shape[-1])
-        att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)
-        return self.c_proj(y)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        else:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(k.shape[-1])  # (B, nh, T, T)
+            att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf")).softmax(dim=-1)
+            y = att @ v  # (B, nh, T, hs)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))  # (B, T, C)
 
 
 class Block(nn.Module):

@@ -1,0 +1,27 @@
+"""The package's public surface: `import shardfn` is light, and `sf.testing` is a lazy attribute."""
+
+import subprocess
+import sys
+
+
+def run_python(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_import_shardfn_does_not_import_the_test_helpers():
+    out = run_python("import sys, shardfn; print(sorted(m for m in sys.modules if m == 'hypothesis' or "
+                     "m.startswith(('hypothesis.', 'shardfn.testing'))))")
+    assert out.strip() == "[]"
+
+
+def test_sf_testing_is_reachable_after_a_plain_import():
+    out = run_python("import shardfn as sf; f = sf.testing.assert_ddp_equivalent; import shardfn.testing as t; "
+                     "print(f is t.assert_ddp_equivalent, 'testing' in dir(sf), 'testing' in sf.__all__)")
+    assert out.split() == ["True", "True", "True"]
+
+
+def test_an_unknown_attribute_is_an_attribute_error():
+    out = run_python("import shardfn as sf\ntry:\n    sf.no_such_name\nexcept AttributeError as e:\n    print(e)")
+    assert out.strip() == "module 'shardfn' has no attribute 'no_such_name'"
