@@ -30,6 +30,9 @@ from ._functional import functional as functional
 from ._mesh import Mesh as Mesh
 from ._mesh import init_mesh as init_mesh
 from ._mesh import local_mesh as local_mesh
+from ._remat import policies as remat_policies
+from ._remat import remat as remat
+from ._remat import tag as tag
 from ._shard_map import gather as gather
 from ._shard_map import scatter as scatter
 from ._shard_map import shard_map as shard_map
@@ -68,9 +71,12 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "remat",
+    "remat_policies",
     "scatter",
     "shard",
     "shard_map",
+    "tag",
     "testing",
     "train_step",
     "visualize_sharding",

@@ -39,6 +39,7 @@ __all__ = [
     "axis_size",
     "bound_mesh",
     "binding",
+    "current_binding",
 ]
 
 # -- which mesh the collectives talk to ------------------------------------------------
@@ -66,6 +67,13 @@ class binding:
     def __exit__(self, *exc):
         _state.stack.pop()
         _state.checks.pop()
+
+
+def current_binding() -> binding | None:
+    """The innermost binding on this thread (mesh and axes check), to re-enter later (remat's
+    recompute runs in the backward, after the shard_map / shard call has returned)."""
+    stack = getattr(_state, "stack", None)
+    return binding(stack[-1], _state.checks[-1]) if stack else None
 
 
 def bound_mesh(op: str | None = None, axis=None):

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from .. import _tree
 
-__all__ = ["ParamsView", "make_view"]
+__all__ = ["ParamsView", "make_view", "materialize"]
 
 
 class _Leaf:
@@ -83,3 +83,16 @@ def make_view(treedef, num_leaves: int, resolve: Callable[[int], Any]):
     """The view of a tree of `num_leaves` leaves with structure `treedef`."""
     skeleton = _tree.unflatten(treedef, [_Leaf(i) for i in range(num_leaves)])
     return ParamsView(None, resolve)._wrap(skeleton)
+
+
+def materialize(tree):
+    """`tree` with every ParamsView in it replaced by plain dicts / lists of the full leaves
+    (gathering their units now); other values unchanged."""
+    if isinstance(tree, ParamsView):
+        return _tree.tree_map(lambda leaf: tree._resolve(leaf.index), tree._node)
+    if isinstance(tree, (list, tuple)) and any(isinstance(x, ParamsView) for x in tree):
+        items = [materialize(x) for x in tree]
+        return type(tree)(items) if type(tree) in (list, tuple) else type(tree)(*items)
+    if isinstance(tree, dict) and any(isinstance(x, ParamsView) for x in tree.values()):
+        return {k: materialize(v) for k, v in tree.items()}
+    return tree

@@ -1,0 +1,416 @@
+"""`sf.remat(fn, policy=...)`: rematerialization (JAX's `jax.checkpoint`) that works under
+`torch.func` and inside `sf.shard`.
+
+The forward of `remat(fn)` keeps only `fn`'s inputs and what the policy saves; the
+backward runs `fn` again and differentiates that run. Policies (`sf.remat_policies`):
+`nothing_saveable`, `everything_saveable` (no remat), `dots_saveable` (matmul outputs),
+`save_only_these_names(*names)` with `sf.tag(x, name)` inside `fn`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import types
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _tree
+from ._collectives import current_binding
+from ._errors import SpecError
+from ._fsdp.view import materialize
+
+__all__ = ["remat", "tag", "Policy", "policies"]
+
+# [Note: remat under torch.func]
+# torch.utils.checkpoint relies on saved-tensor hooks, which torch.func refuses
+# (pytorch#122729). remat is one autograd.Function instead (`_Remat`): its forward runs
+# `fn` without autograd and keeps only the inputs (plus what the policy saves); its
+# backward runs `fn` again under `torch.func.vjp` on the saved inputs and pulls the
+# cotangents through that run. `jvp` and `vmap` rules come the same way (forward mode on
+# the inputs; functorch's generated vmap rule). Inside `sf.shard` the inputs include a
+# unit's gathered parameters: views of the unit's buffer, whose storage is freed after the
+# forward and re-gathered before the unit's backward ([Note: backward order] in
+# _fsdp/runtime.py) — the remat node of a block is created after its unit's gather node and
+# before the next unit's, so its backward runs while the unit is gathered again: no second
+# copy and no extra all-gather.
+
+# [Note: saving by the policy]
+# A dispatch mode (`_Record`) sits below autograd during the no-grad forward and numbers
+# every aten op; the outputs of the ops the policy saves (its `ops`, or the op that made a
+# tensor passed to `sf.tag` with a saved name) are kept. During the recompute a second mode
+# (`_Replay`) hands those outputs back for the ops with the same number and name instead of
+# running them; autograd, above the mode, still records the op, so the graph is the same
+# and its backward is exact. Only ops that neither mutate nor alias are kept, and a kept
+# output that was modified in place later in the forward is dropped. Should the recompute's
+# op sequence differ from the forward's, replay stops and the rest is computed (correct,
+# only slower). This is the mechanism of PyTorch's selective activation checkpointing.
+
+# [Note: randomness in remat]
+# The recompute must draw the same random numbers as the forward (dropout). remat records
+# the state of every `torch.Generator` among `fn`'s arguments and of the default generator
+# of CPU and of the inputs' accelerator, and restores them for the recompute (the caller's
+# generators are then put back where the forward left them). On the simulated mesh the
+# default generator is shared by all rank threads, so only explicit generators replay
+# reliably there: pass one (JAX-style explicit keys).
+
+_aten = torch.ops.aten
+_DOTS = frozenset({_aten.mm, _aten.bmm, _aten.addmm, _aten.baddbmm, _aten.addbmm, _aten.dot, _aten.mv,
+                   _aten.convolution, _aten._scaled_dot_product_flash_attention_for_cpu,
+                   _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_flash_attention})
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What remat's forward keeps for the backward (everything else is recomputed)."""
+
+    name: str
+    ops: frozenset = frozenset()  # aten overload packets whose outputs are kept
+    names: frozenset = frozenset()  # sf.tag names whose values are kept
+    everything: bool = False  # keep everything: no rematerialization
+
+    def __repr__(self):
+        return f"remat_policies.{self.name}"
+
+
+def save_only_these_names(*names: str) -> Policy:
+    """Keep the values tagged with one of `names` (`sf.tag(x, name)` inside `fn`)."""
+    if not names or not all(isinstance(n, str) for n in names):
+        raise SpecError(f"save_only_these_names takes one or more strings, got {names!r}")
+    return Policy(f"save_only_these_names{names!r}", names=frozenset(names))
+
+
+policies = types.SimpleNamespace(
+    nothing_saveable=Policy("nothing_saveable"),
+    everything_saveable=Policy("everything_saveable", everything=True),
+    dots_saveable=Policy("dots_saveable", ops=_DOTS),
+    save_only_these_names=save_only_these_names,
+)
+
+_local = threading.local()  # the _Record mode of the innermost remat forward on this thread
+
+
+def tag(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Name an intermediate value of a remat'd function, for `save_only_these_names`.
+
+    Returns `x` itself; outside remat it does nothing. Tag the result of a computation
+    (a matmul, an activation), not a view of one.
+    """
+    if not isinstance(name, str):
+        raise SpecError(f"sf.tag(x, name): name must be a string, got {name!r}")
+    recorder = getattr(_local, "recorder", None)
+    if recorder is not None and isinstance(x, torch.Tensor):
+        recorder.tagged(x, name)
+    return x
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+def _key(t: torch.Tensor):
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
+def _cacheable(func) -> bool:
+    schema = func._schema
+    return not schema.is_mutable and not any(r.alias_info is not None for r in schema.returns)
+
+
+class _Record(TorchDispatchMode):
+    """Forward: number the ops, keep the outputs the policy saves. [Note: saving by the policy]"""
+
+    def __init__(self, policy: Policy):
+        super().__init__()
+        self.policy = policy
+        self.index = 0
+        self.names: list = []  # per op: its overload, in order
+        self.kept: dict[int, tuple[Any, list[int]]] = {}  # op index -> (outputs, their versions)
+        self.made: dict[tuple, tuple[int, Any, int]] = {}  # tensor key -> (op index, outputs, version)
+        self.tags: dict[int, str] = {}  # op index -> tag name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        i, self.index = self.index, self.index + 1
+        self.names.append(func)
+        if _cacheable(func):
+            tensors = [t for t in _tree.flatten(out)[0] if isinstance(t, torch.Tensor)]
+            versions = [t._version for t in tensors]
+            if func.overloadpacket in self.policy.ops:
+                self.kept[i] = (out, versions)
+            elif self.policy.names:
+                for t, v in zip(tensors, versions):
+                    if t.device.type != "meta" and t.untyped_storage().nbytes():
+                        self.made[_key(t)] = (i, out, v)
+        return out
+
+    def tagged(self, x: torch.Tensor, name: str) -> None:
+        if name not in self.policy.names:
+            return
+        t = _plain(x)
+        found = self.made.get(_key(t)) if t.untyped_storage().nbytes() else None
+        if found is not None and found[2] == t._version:
+            i, out, _ = found
+            outs = [u for u in _tree.flatten(out)[0] if isinstance(u, torch.Tensor)]
+            self.kept[i] = (out, [u._version for u in outs])
+            self.tags[i] = name
+
+    def finish(self) -> dict[int, Any]:
+        """The kept outputs still as the ops made them (none modified in place later)."""
+        self.made.clear()
+        kept = {}
+        for i, (out, versions) in self.kept.items():
+            tensors = [t for t in _tree.flatten(out)[0] if isinstance(t, torch.Tensor)]
+            if [t._version for t in tensors] == versions:
+                kept[i] = out
+        return kept
+
+
+class _Replay(TorchDispatchMode):
+    """Recompute: hand back the kept outputs of the ops with the same number and overload."""
+
+    def __init__(self, names: list, kept: dict[int, Any]):
+        super().__init__()
+        self.names, self.kept = names, kept
+        self.index = 0
+        self.in_step = True  # False once the op sequence diverges: compute the rest
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        i, self.index = self.index, self.index + 1
+        if self.in_step and (i >= len(self.names) or self.names[i] is not func):
+            self.in_step = False
+        if self.in_step and i in self.kept:
+            return self.kept[i]
+        return func(*args, **(kwargs or {}))
+
+
+class _Call:
+    """One call of a remat'd function: what its Function needs, in a plain object (functorch
+    rebuilds dicts passed to `Function.apply`)."""
+
+    def __init__(self, fn, policy, offload_to, treedef, leaves, slots):
+        self.fn, self.policy, self.offload_to = fn, policy, offload_to
+        self.treedef, self.leaves, self.slots = treedef, leaves, slots  # slots: positions of tensor leaves
+        self.binding = current_binding()
+        self.out_treedef = None
+        self.out_static: list = []  # non-tensor outputs, by position
+        self.out_slots: list[int] = []
+        self.names: list = []
+        self.kept: dict[int, Any] = {}
+        self.devices: dict[int, torch.device] = {}  # kept op index -> device before offload
+        self.rng: dict = {}
+
+    def call(self, tensors):
+        leaves = list(self.leaves)
+        for slot, t in zip(self.slots, tensors):
+            leaves[slot] = t
+        args, kwargs = _tree.unflatten(self.treedef, leaves)
+        return self.fn(*args, **kwargs)
+
+    def flat_outputs(self, out) -> tuple:
+        leaves, treedef = _tree.flatten(out)
+        if self.out_treedef is None:
+            self.out_treedef = treedef
+            self.out_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+            self.out_static = leaves
+        return tuple(leaves[i] for i in self.out_slots)
+
+    def unflatten_outputs(self, tensors):
+        leaves = list(self.out_static)
+        for slot, t in zip(self.out_slots, tensors):
+            leaves[slot] = t
+        return _tree.unflatten(self.out_treedef, leaves)
+
+    # -- randomness ([Note: randomness in remat]) -------------------------------------------
+    def save_rng(self, tensors) -> None:
+        devices = sorted({t.device for t in tensors if t.device.type not in ("cpu", "meta")}, key=str)
+        self.rng = {
+            "generators": [(g, g.get_state()) for g in self.leaves if isinstance(g, torch.Generator)],
+            "cpu": torch.get_rng_state(),
+            "devices": [(d, torch.get_device_module(d).get_rng_state(d)) for d in devices],
+        }
+
+    def replaying_rng(self):
+        rng = self.rng
+        return _RngReplay(rng["generators"], rng["cpu"], rng["devices"])
+
+
+class _RngReplay:
+    def __init__(self, generators, cpu_state, device_states):
+        self.generators, self.cpu_state, self.device_states = generators, cpu_state, device_states
+
+    def __enter__(self):
+        self.after = [(g, g.get_state()) for g, _ in self.generators]
+        self.saved_cpu = torch.get_rng_state()
+        self.saved_devices = [(d, torch.get_device_module(d).get_rng_state(d)) for d, _ in self.device_states]
+        for g, state in self.generators:
+            g.set_state(state)
+        torch.set_rng_state(self.cpu_state)
+        for d, state in self.device_states:
+            torch.get_device_module(d).set_rng_state(state, d)
+
+    def __exit__(self, *exc):
+        for g, state in self.after:
+            g.set_state(state)
+        torch.set_rng_state(self.saved_cpu)
+        for d, state in self.saved_devices:
+            torch.get_device_module(d).set_rng_state(state, d)
+
+
+class _Remat(torch.autograd.Function):
+    """`fn`'s outputs, keeping only its inputs (and the policy's saves) for the backward.
+    [Note: remat under torch.func]"""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(call: _Call, *tensors):
+        call.save_rng(tensors)
+        recorder = _Record(call.policy)
+        previous = getattr(_local, "recorder", None)
+        _local.recorder = recorder
+        try:
+            with torch.no_grad(), recorder:
+                out = call.call(tensors)
+        finally:
+            _local.recorder = previous
+        call.names, call.kept = recorder.names, recorder.finish()
+        if call.offload_to is not None:
+            call.kept = {i: _tree.tree_map(lambda t: _offload(t, call, i), out)
+                         for i, out in call.kept.items()}
+        return call.flat_outputs(out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.call = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_forward(*inputs[1:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call: _Call = ctx.call
+        inputs = ctx.saved_tensors
+        wrt = [i for i, t in enumerate(inputs) if t.is_floating_point() or t.is_complex()]
+
+        def rerun(*diff):
+            full = list(inputs)
+            for i, t in zip(wrt, diff):
+                full[i] = t
+            return call.flat_outputs(call.call(full))
+
+        kept = call.kept
+        if call.offload_to is not None:
+            kept = {i: _tree.tree_map(lambda t: t.to(call.devices.get(i, t.device)) if isinstance(t, torch.Tensor) else t,
+                                      out) for i, out in kept.items()}
+        with call.replaying_rng(), _bound(call.binding), _Replay(call.names, kept):
+            _, pullback = torch.func.vjp(rerun, *[inputs[i] for i in wrt])
+        partial = pullback(tuple(grads))
+        out = [None] * len(inputs)
+        for i, g in zip(wrt, partial):
+            out[i] = g
+        return (None, *out)
+
+    @staticmethod
+    def jvp(ctx, _call, *tangents):
+        call: _Call = ctx.call
+        inputs = ctx.saved_tensors
+        wrt = [i for i, t in enumerate(inputs) if t.is_floating_point() or t.is_complex()]
+
+        def rerun(*diff):
+            full = list(inputs)
+            for i, t in zip(wrt, diff):
+                full[i] = t
+            return call.flat_outputs(call.call(full))
+
+        primals = [inputs[i] for i in wrt]
+        tans = [tangents[i] if tangents[i] is not None else torch.zeros_like(inputs[i]) for i in wrt]
+        with call.replaying_rng(), _bound(call.binding):
+            _, out = torch.func.jvp(rerun, tuple(primals), tuple(tans))
+        return out
+
+
+def _offload(t, call: _Call, i: int):
+    if not isinstance(t, torch.Tensor):
+        return t
+    call.devices[i] = t.device
+    return t.to(call.offload_to)
+
+
+class _bound:
+    """Re-enter the collectives' binding of the forward (or nothing outside shard_map/shard)."""
+
+    def __init__(self, binding):
+        self.binding = binding
+
+    def __enter__(self):
+        if self.binding is not None:
+            self.binding.__enter__()
+
+    def __exit__(self, *exc):
+        if self.binding is not None:
+            self.binding.__exit__(*exc)
+
+
+def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_to=None) -> Callable:
+    """Rematerialize `fn` in the backward instead of keeping its intermediate values.
+
+    `remat(fn)(*args)` computes `fn(*args)`; for the backward it keeps only the tensors
+    among `args` (and the values `policy` saves) and runs `fn` again, differentiating that
+    run (JAX's `jax.checkpoint`). Gradients are those of `fn` itself: exact, since the same
+    ops run on the same inputs (random draws replayed: [Note: randomness in remat]). It
+    works under `torch.func.grad` / `vjp` / `jvp` / `vmap`, `loss.backward()`,
+    `step.grad_and_value`, and inside `sf.shard`'s `loss_fn`, where a block's gathered
+    parameters are re-gathered by shard's own schedule for the recompute.
+
+    Args:
+      fn: a function of tensors and other values (non-tensors are held as constants);
+        returns a tensor or a pytree of them. Inside `sf.shard`, pass it the block's own
+        parameters (`params["layers"][i]`), not the whole tree.
+      policy: what to keep, from `sf.remat_policies`: `nothing_saveable` (default),
+        `dots_saveable` (matmul and attention outputs), `save_only_these_names(*names)`
+        (values marked with `sf.tag(x, name)` inside `fn`), `everything_saveable` (no
+        remat).
+      offload_to: a device (e.g. "cpu") to move the kept values to after the forward;
+        they move back before the recompute.
+
+    Returns:
+      A function with `fn`'s signature.
+
+    Example:
+      >>> import torch, shardfn as sf
+      >>> w = torch.randn(4, 4, dtype=torch.float64)
+      >>> x = torch.randn(3, 4, dtype=torch.float64)
+      >>> block = lambda w, x: torch.tanh(x @ w)
+      >>> loss = lambda w: sf.remat(block)(w, x).square().sum()
+      >>> g = torch.func.grad(loss)(w)
+      >>> torch.allclose(g, torch.func.grad(lambda w: block(w, x).square().sum())(w), rtol=0, atol=1e-12)
+      True
+    """
+    if not callable(fn):
+        raise SpecError(f"sf.remat: fn must be callable, got {fn!r:.60}")
+    if not isinstance(policy, Policy):
+        raise SpecError(
+            f"sf.remat: policy must be one of sf.remat_policies (nothing_saveable, dots_saveable, "
+            f"everything_saveable, save_only_these_names(...)), got {policy!r:.60}"
+        )
+    if offload_to is not None and not policy.names and not policy.ops:
+        raise SpecError(f"sf.remat: offload_to={offload_to!r} moves the values the policy saves, and "
+                        f"{policy!r} saves none.\nFix: use policy=sf.remat_policies.save_only_these_names(...).")
+    offload = torch.device(offload_to) if offload_to is not None else None
+
+    def wrapped(*args, **kwargs):
+        if policy.everything:
+            return fn(*args, **kwargs)
+        leaves, treedef = _tree.flatten((materialize(args), materialize(kwargs)))
+        slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        call = _Call(fn, policy, offload, treedef, leaves, slots)
+        outs = _Remat.apply(call, *[leaves[i] for i in slots])
+        return call.unflatten_outputs(outs)
+
+    wrapped.__wrapped__ = fn
+    return wrapped
