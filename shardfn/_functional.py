@@ -55,11 +55,14 @@ def _get(tree, path):
     return tree
 
 
-def functional(module: nn.Module) -> tuple[Callable, dict]:
+def functional(module: nn.Module, *, remat=None) -> tuple[Callable, dict]:
     """Split an `nn.Module` into `(apply_fn, params)`.
 
     Args:
       module: any module; its parameters become the tree, its buffers stay on it.
+      remat: a policy from `sf.remat_policies` (or True for `nothing_saveable`): each child
+        of the first `ModuleList` / `Sequential` (the blocks, shard's default units) runs
+        under `sf.remat` with it, so its activations are recomputed in the backward.
 
     Returns:
       `apply_fn(params, *args, **kwargs)` calling the module's forward with those
@@ -75,6 +78,10 @@ def functional(module: nn.Module) -> tuple[Callable, dict]:
       >>> apply_fn(params, torch.ones(5, 3)).shape
       torch.Size([5, 2])
     """
+    if remat is True:
+        from ._remat import policies
+
+        remat = policies.nothing_saveable
     leaves: list[tuple[tuple, str]] = []
     children: dict[tuple, str] = {}
     params = _walk(module, (), "", set(), leaves, children)
@@ -98,7 +105,7 @@ def functional(module: nn.Module) -> tuple[Callable, dict]:
         if copy_ is None:
             copy_ = local.module = _meta_copy(module)
             for child_name, paths in units.values():
-                _bind_child(copy_.get_submodule(child_name), paths, local)
+                _bind_child(copy_.get_submodule(child_name), paths, local, remat)
         return copy_
 
     def apply_fn(params, *args, **kwargs):
@@ -114,19 +121,28 @@ def functional(module: nn.Module) -> tuple[Callable, dict]:
     return apply_fn, params
 
 
-def _bind_child(child: nn.Module, paths, local) -> None:
+def _bind_child(child: nn.Module, paths, local, remat=None) -> None:
     original = child.forward
     active = threading.local()
+
+    def run(unit, *args, **kwargs):  # the child's own forward, with its unit's parameters
+        before = getattr(active, "on", False)
+        active.on = True
+        try:
+            return torch.func.functional_call(child, unit, args, kwargs, strict=False)
+        finally:
+            active.on = before
+
+    if remat is not None:
+        from ._remat import remat as rematerialize
+
+        run = rematerialize(run, policy=remat)
 
     def forward(*args, **kwargs):
         if getattr(active, "on", False):
             return original(*args, **kwargs)
         unit = {name: _get(local.params, p) for p, name in paths}
-        active.on = True
-        try:
-            return torch.func.functional_call(child, unit, args, kwargs, strict=False)
-        finally:
-            active.on = False
+        return run(unit, *args, **kwargs)
 
     child.forward = forward
 
