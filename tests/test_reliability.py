@@ -9,6 +9,7 @@ import torch
 import shardfn as sf
 from shardfn.testing import RankProcessError, run_on_mesh
 from shardfn.testing.models import mlp_loss, mlp_params
+from traffic import sent
 
 HANG_BOUND_S = 10.0  # a bound on a hang (the mesh timeouts are 12 s), not a timing benchmark
 
@@ -97,10 +98,14 @@ def test_check_finite_off_by_default_costs_nothing():
     step = sf.shard(lambda p, x: (p["w"] * x).sum(), mesh)
 
     def body():
-        torch.func.grad(step)(step.shard_params({"w": torch.ones(4)}), torch.ones(4))
-        return step.stats()["num_collectives"]
+        shards = step.shard_params({"w": torch.ones(4)})
+        with sent() as rec:
+            torch.func.grad(step)(shards, torch.ones(4))
+        return [(c.op, c.nbytes) for c in rec.records], step.stats()["num_collectives"]
 
-    assert mesh.run(body) == [3, 3]  # all-gather, reduce-scatter, loss all-reduce
+    for records, counted in mesh.run(body):  # what the backend sent: no finiteness flags
+        assert sorted(records) == [("all_gather", 16), ("all_reduce", 4), ("reduce_scatter", 16)]
+        assert counted == 3
 
 
 def test_keyboard_interrupt_stops_every_simulated_rank():
