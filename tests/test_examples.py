@@ -4,7 +4,6 @@ Each example runs as a subprocess (`python examples/x.py`), exactly as a user wo
 it; the notebooks run top to bottom with nbclient. The long runs are marked `slow`.
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -19,8 +18,12 @@ EXAMPLES = os.path.join(ROOT, "examples")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
 
 
-def has(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+def torchrun() -> str:
+    """The `torchrun` launcher; its absence is a broken environment, not a reason to skip."""
+    path = shutil.which("torchrun")
+    assert path is not None, ("torchrun is not on PATH: it ships with torch, as a console script next to "
+                              f"{sys.executable}; put that bin directory on PATH")
+    return path
 
 
 def run_example(*args, timeout=600, launcher=None) -> str:
@@ -76,8 +79,7 @@ def test_train_gpt_tiny_smoke(tmp_path):
     assert 4.0 < losses[0] < 5.0  # ~ln(96) at init
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
     assert "--- sample 0" in run["stdout"] and "per-rank memory" in run["stdout"]
-    if has("matplotlib"):
-        assert run["png"].exists() and run["png"].stat().st_size > 1000
+    assert run["png"].exists() and run["png"].stat().st_size > 1000  # matplotlib: a test extra
 
 
 def test_train_gpt_tiny_hsdp_bf16(tmp_path):
@@ -125,20 +127,17 @@ def test_train_gpt_default_config_learns(tmp_path):
     losses = run["losses"]
     assert 4.0 < losses[0] < 5.0
     assert sum(losses[-5:]) / 5 < 3.0, losses  # ~2.6 by step 60 (~2.1 by step 200)
-    if has("matplotlib"):
-        assert run["png"].exists()
+    assert run["png"].exists()
 
 
 @pytest.mark.slow
 @pytest.mark.ci  # the README's promise: `python` and `torchrun` give the same losses
 @pytest.mark.multiprocess
 def test_train_gpt_torchrun_matches_simulated(tmp_path):
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not on PATH")
+    launcher = torchrun()
     sim = train_gpt(tmp_path, "--tiny", "--steps", "5", name="sim")
     dist = train_gpt(tmp_path, "--tiny", "--steps", "5", name="dist",
-                     launcher=[torchrun, "--standalone", "--nproc-per-node", "4"])
+                     launcher=[launcher, "--standalone", "--nproc-per-node", "4"])
     assert dist["kind"] == "distributed" and sim["kind"] == "simulated"
     assert dist["losses"] == sim["losses"]  # bit for bit: same seeds, same reductions
 
@@ -146,12 +145,10 @@ def test_train_gpt_torchrun_matches_simulated(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_train_gpt_fsdp_tp_torchrun_matches_simulated(tmp_path):
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not on PATH")
+    launcher = torchrun()
     args = ("--tiny", "--steps", "5", "--mesh", "fsdp_tp", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5")
     sim = train_gpt(tmp_path, *args[:-4], name="sim")
-    dist = train_gpt(tmp_path, *args, name="dist", launcher=[torchrun, "--standalone", "--nproc-per-node", "4"])
+    dist = train_gpt(tmp_path, *args, name="dist", launcher=[launcher, "--standalone", "--nproc-per-node", "4"])
     assert dist["kind"] == "distributed" and dist["losses"] == sim["losses"]
     assert os.listdir(tmp_path / "ckpt") == ["step_000005"]  # FSDP x TP shards saved by 4 processes
 
@@ -161,10 +158,10 @@ def test_train_gpt_fsdp_tp_torchrun_matches_simulated(tmp_path):
 
 def execute_notebook(name: str) -> str:
     """Run a notebook top to bottom (in memory); return all of its text output."""
-    why = "the notebook tests need nbformat, nbclient and ipykernel (pip install -e '.[docs]')"
-    nbformat = pytest.importorskip("nbformat", reason=why)
-    nbclient = pytest.importorskip("nbclient", reason=why)
-    pytest.importorskip("ipykernel", reason=why)
+    import ipykernel  # noqa: F401  the notebook tests need nbformat, nbclient and ipykernel: test extras
+    import nbclient
+    import nbformat
+
     path = os.path.join(EXAMPLES, "notebooks", name)
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
@@ -195,7 +192,8 @@ def test_notebook_01_intro():
 
 
 def test_notebook_02_fsdp():
-    pytest.importorskip("matplotlib", reason="02_fsdp.ipynb plots with matplotlib")
+    import matplotlib  # noqa: F401  02_fsdp.ipynb plots with it (a test extra)
+
     out = execute_notebook("02_fsdp.ipynb")
     assert "OK: reduce-scatter Ψ, all-gather 2Ψ - Ψ_root (417,024)" in out
     assert "OK: shard == data parallelism on 1, 2 and 4 ranks, 3 AdamW steps" in out

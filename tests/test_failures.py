@@ -11,15 +11,20 @@ the child comes back as a RankProcessError carrying its traceback.
 import functools
 import os
 import signal
+import threading
 import time
 
 import pytest
 import torch
 
 import shardfn as sf
+from shardfn._backend import ops
 from shardfn.testing import RankProcessError, run_multiprocess, run_on_mesh
 
-HANG_BOUND_S = 10.0  # a bound on a hang, not a timing benchmark
+# A bound on a hang, not a timing benchmark: fail-fast paths take well under 1 s even on a
+# loaded 2-core machine (10x+ margin), and each bound sits at most 1/3 of the hang it
+# rules out (mesh timeouts of 30 s) or 10x above the timeout the test waits for (1-2 s).
+HANG_BOUND_S = 10.0
 
 
 def in_fresh_process(test):
@@ -42,12 +47,15 @@ class CustomError(Exception):
 @in_fresh_process
 def test_rank_error_is_reraised_fast_and_the_mesh_recovers():
     mesh = sf.local_mesh({"data": 4}, timeout=30)  # a timeout far above the bound: only fail-fast passes
+    entered = threading.Semaphore(0)  # one release per peer that has issued its all-reduce
 
     def body():
-        if mesh.rank == 2:
-            time.sleep(0.2)  # let the others enter their collective first
+        if mesh.rank == 2:  # fail only once the others have issued their collective (event order, no sleep)
+            for _ in range(mesh.size - 1):
+                assert entered.acquire(timeout=HANG_BOUND_S), "a peer never issued its all-reduce"
             raise CustomError("rank 2 failed on purpose")
-        return mesh.all_reduce(torch.ones(3), "data")
+        with ops.recording(lambda op, axes, nbytes: entered.release()):
+            return mesh.all_reduce(torch.ones(3), "data")
 
     for _ in range(2):  # fail, recover, fail again
         start = time.monotonic()

@@ -13,6 +13,7 @@ import shardfn as sf
 from shardfn.testing._ddp import assert_ddp_equivalent, ddp_training, local_batch
 from shardfn.testing.models import GPT, GPTConfig, mlp_loss, mlp_params
 from shardfn.testing import run_on_mesh
+from traffic import sent, stats_view, totals
 
 D = torch.float64
 
@@ -126,7 +127,9 @@ def _unit_bytes(d, k, itemsize=4):
 
 @pytest.mark.parametrize("mode", ["backward", "func"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_stats_memory_and_bytes(mode, world):
+def test_zero3_traffic_and_memory(mode, world):
+    # What the backend sent (ops.recording), not stats()' bookkeeping: ZeRO-3 all-gathers
+    # 2 Psi and reduce-scatters Psi per step; Psi all-gathered with reshard_after_forward=False.
     L, d = 4, 10  # 10 rows over 3 ranks: padded chunks
     params = _layers_only_params(L, d)
     unit = _unit_bytes(d, world)
@@ -142,21 +145,25 @@ def test_stats_memory_and_bytes(mode, world):
             shards = step.shard_params(params)
             x = torch.randn(3, d, generator=torch.Generator().manual_seed(mesh.rank))
             for _ in range(2):  # the second call prefetches in the order learned on the first
-                if mode == "func":
-                    torch.func.grad(step)(shards, x)
-                else:
-                    leaves = torch.utils._pytree.tree_leaves(shards)
-                    for t in leaves:
-                        t.requires_grad_(True)
-                        t.grad = None
-                    step(shards, x).backward()
-            return step.stats()
+                with sent() as rec:
+                    if mode == "func":
+                        torch.func.grad(step)(shards, x)
+                    else:
+                        leaves = torch.utils._pytree.tree_leaves(shards)
+                        for t in leaves:
+                            t.requires_grad_(True)
+                            t.grad = None
+                        step(shards, x).backward()
+            return rec.records, step.stats()
 
-        for stats in mesh.run(body):
-            assert stats["all_gather_bytes"] == expected_ag
-            assert stats["reduce_scatter_bytes"] == psi
-            assert stats["all_reduce_bytes"] == 4  # the loss scalar
-            assert stats["num_collectives"] == expected_ag // unit + L + 1
+        for records, stats in mesh.run(body):
+            wire = totals(records)
+            assert [c.nbytes for c in records if c.op == "all_gather"] == [unit] * (expected_ag // unit)
+            assert [c.nbytes for c in records if c.op == "reduce_scatter"] == [unit] * L
+            assert [(c.op, c.nbytes) for c in records if c.op not in ("all_gather", "reduce_scatter")] == [
+                ("all_reduce", 4)]  # the loss scalar
+            assert wire["all_gather_bytes"] == expected_ag and wire["reduce_scatter_bytes"] == psi
+            assert stats_view(stats) == wire
             if reshard:
                 assert unit < stats["peak_gathered_bytes"] <= peak_bound
             else:  # every unit, plus the last one's all-gather output until its copy-out
@@ -177,14 +184,16 @@ def test_root_unit_stays_gathered_and_is_gathered_once():
     def body():
         shards = step.shard_params(params)
         for _ in range(2):
-            torch.func.grad(step)(shards, torch.randn(2, 4))
-        return step.stats()
+            with sent() as rec:
+                torch.func.grad(step)(shards, torch.randn(2, 4))
+        return rec.records, step.stats()
 
     root = 2 * (3 * 4 + 2 * 2) * 4  # embed: 3 rows x 4, head: 2 rows x 2 per rank, 2 ranks, fp32
     unit = _unit_bytes(4, 2)
-    stats = mesh.run(body)[0]
-    assert stats["all_gather_bytes"] == root + 2 * 3 * unit
-    assert stats["reduce_scatter_bytes"] == root + 3 * unit
+    records, stats = mesh.run(body)[0]
+    assert sorted(c.nbytes for c in records if c.op == "all_gather") == sorted([root] + [unit] * 6)
+    assert sorted(c.nbytes for c in records if c.op == "reduce_scatter") == sorted([root] + [unit] * 3)
+    assert stats_view(stats) == totals(records)
     assert stats["peak_gathered_bytes"] <= root + 2 * unit + unit // 2  # + the prefetched unit's send buffer
 
 

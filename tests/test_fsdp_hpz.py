@@ -40,15 +40,14 @@ def one_step(mesh, shard_axes, reshard, params, batch, mode):
     step = sf.shard(mlp_loss, mesh, data_axes=data, shard_axes=shard_axes, reshard_after_forward=reshard)
 
     def body():
-        seen = []
         shards = step.shard_params(params)
         local = local_batch(batch, mesh.rank, mesh.size)
-        with ops.recording(lambda op, axes, nbytes: seen.append((op, axes))):
+        with ops.recording() as rec:
             if mode == "fast":
                 grads, loss = step.grad_and_value(shards, local)
             else:
                 grads, loss = torch.func.grad_and_value(step)(shards, local)
-        gathers = [axes for op, axes in seen if op == "all_gather"]
+        gathers = [(c.axes, c.nbytes) for c in rec.records if c.op == "all_gather"]
         return float(loss), step.unshard_params(grads), step.stats(), gathers
 
     return mesh.run(body)
@@ -66,9 +65,12 @@ def test_hpz_is_bit_identical_to_zero3_and_regathers_over_the_sub_axes(shape, sh
         assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(g0), optree.tree_leaves(g1)))
         # 3 units (the layers; no root): forward over all shard axes, then the backward
         # re-gathers over the sub-axes only.
-        assert ag0 == [shard_axes] * 6
-        assert ag1 == [shard_axes] * 3 + [sub] * 3
-        assert s1["all_gather_bytes"] == s0["all_gather_bytes"]  # logical bytes: the same unsharded units
+        assert [axes for axes, _ in ag0] == [shard_axes] * 6
+        assert [axes for axes, _ in ag1] == [shard_axes] * 3 + [sub] * 3
+        # As sent: the backward re-gathers the same unsharded units (logical bytes), in reverse.
+        forward = [n for _, n in ag1[:3]]
+        assert [n for _, n in ag1[3:]] == forward[::-1] and [n for _, n in ag0] == [n for _, n in ag1]
+        assert s1["all_gather_bytes"] == s0["all_gather_bytes"] == sum(n for _, n in ag1)
         assert s1["peak_gathered_bytes"] > s0["peak_gathered_bytes"]  # + the kept 1/M rows
 
 

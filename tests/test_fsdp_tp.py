@@ -9,13 +9,14 @@ scale replicated over it.
 import optree
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import shardfn as sf
 import shardfn.checkpoint as ckpt
 from shardfn.testing import reference_training, run_on_mesh
 from collective_cases import mesh_for as mesh_of  # one simulated mesh per shape, per session
+from traffic import sent, stats_view, totals
 
 P = sf.P
 F64 = torch.float64
@@ -84,18 +85,24 @@ def tp_grads(mesh, params, batch, mode="func", **kwargs):
     def body(*_):
         shards = step.shard_params(params)
         local = data_batch(mesh, batch)
-        if mode == "func":
-            grads, loss = torch.func.grad_and_value(step)(shards, local)
-        elif mode == "fast":
-            grads, loss = step.grad_and_value(shards, local)
-        else:  # loss.backward() on leaf shards
-            shards = optree.tree_map(lambda t: t.requires_grad_(True), shards)
-            loss = step(shards, local)
-            loss.backward()
-            grads = optree.tree_map(lambda t: t.grad, shards)
-        return float(loss), step.unshard_params(grads), step.stats()
+        with sent() as rec:
+            loss, grads = _one_step(step, shards, local, mode)
+        return float(loss), step.unshard_params(grads), (rec.records, step.stats())
 
     return mesh.run(body)
+
+
+def _one_step(step, shards, local, mode):
+    if mode == "func":
+        grads, loss = torch.func.grad_and_value(step)(shards, local)
+    elif mode == "fast":
+        grads, loss = step.grad_and_value(shards, local)
+    else:  # loss.backward() on leaf shards
+        shards = optree.tree_map(lambda t: t.requires_grad_(True), shards)
+        loss = step(shards, local)
+        loss.backward()
+        grads = optree.tree_map(lambda t: t.grad, shards)
+    return loss, grads
 
 
 # -- gradients equal single-device ones --------------------------------------------------
@@ -123,12 +130,10 @@ def test_grads_match_single_device_property(shape, d, mult, layers, batch, resha
     data, model = shape
     params = init(seed, d=d, h=mult * data * model, layers=layers)
     xy = batch_of(seed, n=batch, d=d)
+    assume(len(xy[0].chunk(data)) == data)  # torch.chunk made fewer chunks: empty batches would give NaN losses
     # The DDP loss semantics: the mean over data ranks of each one's chunk loss.
     want, want_loss = torch.func.grad_and_value(
         lambda p: sum(loss_fn(p, (x, y)) for x, y in zip(xy[0].chunk(data), xy[1].chunk(data))) / data)(params)
-    chunks = len(xy[0].chunk(data))
-    if chunks < data:  # torch.chunk made fewer chunks: empty batches would give NaN losses
-        return
     mesh = mesh_of({"data": data, "model": model})
     for loss, grads, _ in tp_grads(mesh, params, xy, reshard_after_forward=reshard, prefetch=prefetch):
         assert abs(loss - float(want_loss)) < 1e-11 * max(1.0, abs(float(want_loss)))
@@ -141,7 +146,7 @@ def test_hsdp_times_tp_matches_single_device():
     want, want_loss = reference_grads(params, batch)
     mesh = mesh_of({"replica": 2, "shard": 2, "model": 2})
     results = tp_grads(mesh, params, batch, data_axes=("replica", "shard"), shard_axes="shard")
-    for loss, grads, stats in results:
+    for loss, grads, _ in results:
         assert abs(loss - float(want_loss)) < 1e-12
         assert_close(grads, want)
 
@@ -174,14 +179,26 @@ def test_stats_count_the_tensor_parallel_psum_of_replicated_leaves():
     reduce-scattered range over 'model'; the split ones (w1, b1, w2) do not."""
     params, batch = init(0, d=6, h=8), batch_of(0)
     mesh = mesh_of({"data": 2, "model": 2})
-    (_, _, stats), *_ = tp_grads(mesh, params, batch, reshard_after_forward=True)
-    # Gathered per data rank, in TP-local rows: w1 (6, 4) b1 (4,) w2 (4, 6) b2 (6,) scale (6,) = 64
-    # elements a layer, gathered twice (forward, backward); the root (head, 6 x 3) once.
-    assert stats["all_gather_bytes"] == 8 * (2 * 2 * 64 + 18)
-    assert stats["reduce_scatter_bytes"] == 8 * (2 * 64 + 18)
-    psummed = 2 * (3 + 3) + 9  # this rank's chunks of b2 and scale per layer, and of head (3, 3)
-    loss = 1 + 4  # the loss all-reduce over 'data', and the first call's replication check over 'model'
-    assert stats["all_reduce_bytes"] == 8 * (psummed + loss)
+    (_, _, (records, stats)), *_ = tp_grads(mesh, params, batch, reshard_after_forward=True)
+    # What the backend sent, in float64 elements. Gathered per data rank, in TP-local rows:
+    # w1 (6, 4) b1 (4,) w2 (4, 6) b2 (6,) scale (6,) = 64 elements a layer, gathered twice
+    # (forward, backward); the root (head, 6 x 3) once.
+    sent_ = [(c.op, c.axes, c.nbytes // 8) for c in records]
+    assert {c.dtype for c in records} == {F64}
+    assert sorted(n for op, _, n in sent_ if op == "all_gather") == [18] + [64] * 4
+    assert sorted(n for op, _, n in sent_ if op == "reduce_scatter") == [18, 64, 64]
+    assert {axes for op, axes, _ in sent_ if op != "all_reduce"} == {("data",)}
+    over_model = sorted(n for op, axes, n in sent_ if op == "all_reduce" and axes == ("model",))
+    activations = [24] * 4  # loss_fn's own psum of (4, 6) per layer, and its transpose (a psum)
+    psummed = [3 + 3] * 2 + [9]  # this rank's chunks of b2 and scale per layer, and of head (3, 3)
+    check = [4]  # the first call's loss replication check: 2 fingerprints and their negations
+    assert over_model == sorted(activations + psummed + check)
+    assert [n for op, axes, n in sent_ if op == "all_reduce" and axes == ("data",)] == [1]  # the loss
+    # stats() counts shard's own collectives: all of the above but loss_fn's psums.
+    wire = totals(records)
+    wire["all_reduce_bytes"] -= 8 * sum(activations)
+    wire["num_collectives"] -= len(activations)
+    assert stats_view(stats) == wire
 
 
 # -- training, accumulation, policies, forward mode ---------------------------------------
@@ -241,9 +258,11 @@ def test_bf16_compute_fp32_reduce_is_close_and_halves_gather_bytes():
     want, _ = reference_grads(params, batch)
     mesh = mesh_of({"data": 2, "model": 2})
     mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    (_, g32, s32), *_ = tp_grads(mesh, params, batch)
-    (_, g16, s16), *_ = tp_grads(mesh, params, batch, mixed_precision=mp)
-    assert s16["all_gather_bytes"] * 2 == s32["all_gather_bytes"]
+    (_, g32, (r32, _)), *_ = tp_grads(mesh, params, batch)
+    (_, g16, (r16, _)), *_ = tp_grads(mesh, params, batch, mixed_precision=mp)
+    assert totals(r16)["all_gather_bytes"] * 2 == totals(r32)["all_gather_bytes"]  # as sent
+    assert {c.dtype for c in r16 if c.op == "all_gather"} == {torch.bfloat16}
+    assert {c.dtype for c in r16 if c.op == "reduce_scatter"} == {torch.float32}
     assert_close(g32, want, atol=1e-5)
     assert_close(g16, want, atol=5e-2)
     assert all(g.dtype == torch.float32 for g in optree.tree_leaves(g16))

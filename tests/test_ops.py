@@ -226,9 +226,11 @@ def test_recording_sees_every_collective():
     seen = []
 
     def body(mesh, group, x):
-        with ops.recording(lambda op, axes, nbytes: seen.append((mesh.rank, op, axes, nbytes))):
+        with ops.recording(lambda op, axes, nbytes: seen.append((mesh.rank, op, axes, nbytes))) as rec:
             ops.all_reduce(group, x)
             ops.all_gather(group, x)
+        assert [(c.op, c.dtype) for c in rec.records] == [("all_reduce", torch.float32), ("all_gather", torch.float32)]
+        assert [tuple(c[:3]) for c in rec.records] == [s[1:] for s in seen if s[0] == mesh.rank]
         return None
 
     run_op({"data": 2}, ("data",), body)

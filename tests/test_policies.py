@@ -9,6 +9,7 @@ import shardfn as sf
 from shardfn.testing import run_on_mesh
 from shardfn.testing._ddp import local_batch, reference_training
 from shardfn.testing.models import GPT, GPTConfig, mlp_loss, mlp_params
+from traffic import sent, stats_view, totals
 
 D = torch.float64
 tree_leaves = torch.utils._pytree.tree_leaves
@@ -38,13 +39,17 @@ def test_mixed_precision_gathers_in_param_dtype_and_returns_master_dtype():
 
         def body():
             shards = step.shard_params(params)
-            grads, loss = torch.func.grad_and_value(step)(shards, local_batch(batch, mesh.rank, 2))
-            return step.stats(), [g.dtype for g in tree_leaves(grads)], step.unshard_params(grads), loss
+            with sent() as rec:
+                grads, loss = torch.func.grad_and_value(step)(shards, local_batch(batch, mesh.rank, 2))
+            return rec.records, [g.dtype for g in tree_leaves(grads)], step.unshard_params(grads), loss
 
         results[name] = mesh.run(body)[0]
-    (s32, d32, g32, l32), (s16, d16, g16, l16) = results["fp32"], results["bf16"]
+    (r32, d32, g32, l32), (r16, d16, g16, l16) = results["fp32"], results["bf16"]
+    s32, s16 = totals(r32), totals(r16)  # what the backend sent
     assert s16["all_gather_bytes"] * 2 == s32["all_gather_bytes"]  # gathers move bf16
     assert s16["reduce_scatter_bytes"] == s32["reduce_scatter_bytes"]  # reductions in fp32
+    assert {c.dtype for c in r16 if c.op == "all_gather"} == {torch.bfloat16}
+    assert {c.dtype for c in r16 if c.op == "reduce_scatter"} == {torch.float32}
     assert set(d16) == {torch.float32}  # grads arrive in the shards' dtype
     assert _max_diff(g16, g32) < 2e-2 and abs(float(l16) - float(l32)) < 2e-2
 
@@ -141,10 +146,11 @@ def _hsdp_body(params, batches, lr):
         shards = step.shard_params(params)
         losses = []
         for batch in batches:
-            grads, loss = torch.func.grad_and_value(step)(shards, local_batch(batch, mesh.rank, 4))
+            with sent() as rec:
+                grads, loss = torch.func.grad_and_value(step)(shards, local_batch(batch, mesh.rank, 4))
             shards = tree_map(lambda p, g: p - lr * g, shards, grads)
             losses.append(float(loss))
-        return losses, step.unshard_params(shards), step.stats(), step.specs
+        return losses, step.unshard_params(shards), (rec.records, step.stats()), step.specs
 
     return body
 
@@ -158,11 +164,21 @@ def test_hsdp_2x2_equals_data_parallel_over_4(backend):
     results = run_on_mesh(_hsdp_body(params, batches, 0.1), {"replica": 2, "shard": 2}, backend)
     # Psi in fp64 with 2-way padding: w1 (6x5 -> 3 rows x 5 per rank), b1 (5 -> 3), w2 (5x3 -> 3 rows x 3), b2 (3 -> 2)
     psi = 2 * (3 * 5 + 3 + 3 * 3 + 2) * 8
-    for losses, full, stats, specs in results:
+    for losses, full, (records, stats), specs in results:
         assert losses == pytest.approx(ref_losses, abs=1e-12)
         assert _max_diff(full, ref_history[-1]) < 1e-12
-        assert stats["reduce_scatter_bytes"] == psi  # over the 2 ranks of 'shard'
-        assert stats["all_reduce_bytes"] == psi // 2 + 8  # shard-sized all-reduce over 'replica' + the loss
+        # What the backend sent: gathers and reduce-scatters within 'shard'; HSDP adds a
+        # shard-sized all-reduce over 'replica' per unit; the loss is averaged over both axes.
+        by_op = {}
+        for c in records:
+            by_op.setdefault((c.op, c.axes), []).append(c.nbytes)
+        assert set(by_op) == {("all_gather", ("shard",)), ("reduce_scatter", ("shard",)),
+                              ("all_reduce", ("replica",)), ("all_reduce", ("replica", "shard"))}
+        assert sum(by_op["reduce_scatter", ("shard",)]) == psi
+        assert sum(by_op["all_gather", ("shard",)]) == 2 * psi
+        assert sorted(by_op["all_reduce", ("replica",)]) == sorted(n // 2 for n in by_op["reduce_scatter", ("shard",)])
+        assert by_op["all_reduce", ("replica", "shard")] == [8]  # the loss
+        assert stats_view(stats) == totals(records)
         assert specs["layers"][0]["w"] == sf.P("shard")
 
 
@@ -181,21 +197,21 @@ def test_accumulation_equals_big_batch(mode):
         shards = step.shard_params(params)
         x, y = local_batch(batch, mesh.rank, 2)  # 8 rows: 4 micro-batches of 2
         micro = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)]
-        grads, loss = step.accumulate(shards, micro, mode=mode)
-        return float(loss), step.unshard_params(grads), step.stats()
+        with sent() as rec:
+            grads, loss = step.accumulate(shards, micro, mode=mode)
+        return float(loss), step.unshard_params(grads), rec.records, step.stats()
 
     units = 3
-    for loss, full, stats in mesh.run(body):
+    n_rs = 1 if mode == "reduce_once" else 4  # reduce_once: one reduce-scatter per unit per step
+    psi = sum(2 * ((l["w"].shape[0] + 1) // 2 * l["w"].shape[1] + (l["b"].shape[0] + 1) // 2) * 8
+              for l in params["layers"])
+    for loss, full, records, stats in mesh.run(body):
         assert loss == pytest.approx(float(ref_loss), abs=1e-12)
         assert _max_diff(full, ref_grads) < 1e-12
-        rs_count = stats["num_collectives"] - stats["all_gather_bytes"] // 1 * 0  # keep stats readable below
-        del rs_count
-        per_rs = stats["reduce_scatter_bytes"] // (units if mode == "reduce_once" else 4 * units)
-        assert per_rs > 0
-        n_rs = 1 if mode == "reduce_once" else 4
-        psi = sum(2 * ((l["w"].shape[0] + 1) // 2 * l["w"].shape[1] + (l["b"].shape[0] + 1) // 2) * 8
-                  for l in params["layers"])
-        assert stats["reduce_scatter_bytes"] == n_rs * psi  # reduce_once: one reduce-scatter per unit per step
+        reduce_scatters = [c.nbytes for c in records if c.op == "reduce_scatter"]
+        assert len(reduce_scatters) == n_rs * units
+        assert sum(reduce_scatters) == n_rs * psi
+        assert stats_view(stats) == totals(records)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -237,10 +253,11 @@ def test_frozen_params_get_no_gradient_and_no_reduce_scatter(reshard, prefetch):
         grads = step.unshard_params(torch.func.grad(step)(shards, local_batch(batch, mesh.rank, 2)))
         for t in tree_leaves(shards):
             t.requires_grad_(True)
-        step(shards, local_batch(batch, mesh.rank, 2)).backward()
-        return grads, [t.grad is None for t in tree_leaves(shards)], step.stats()
+        with sent() as rec:
+            step(shards, local_batch(batch, mesh.rank, 2)).backward()
+        return grads, [t.grad is None for t in tree_leaves(shards)], (rec.records, step.stats())
 
-    for grads, no_grad, stats in mesh.run(body):
+    for grads, no_grad, (records, stats) in mesh.run(body):
         for i, (layer, ref_layer) in enumerate(zip(grads["layers"], ref["layers"])):
             for k in ("w", "b"):
                 if i == frozen_layer:
@@ -250,8 +267,12 @@ def test_frozen_params_get_no_gradient_and_no_reduce_scatter(reshard, prefetch):
         assert no_grad == [False, False, True, True, False, False]
         frozen_bytes = 2 * (3 * 5 + 3) * 8
         trainable = 2 * (2 * 6 + 3) * 8 + 2 * (3 * 3 + 2) * 8
-        assert stats["reduce_scatter_bytes"] == trainable
-        assert stats["all_gather_bytes"] == (2 if reshard else 1) * (trainable + frozen_bytes)
+        wire = totals(records)  # what the backend sent
+        assert sorted(c.nbytes for c in records if c.op == "reduce_scatter") == sorted(
+            [2 * (2 * 6 + 3) * 8, 2 * (3 * 3 + 2) * 8])  # the two trainable units; none for the frozen one
+        assert wire["all_gather_bytes"] == (2 if reshard else 1) * (trainable + frozen_bytes)
+        assert wire["reduce_scatter_bytes"] == trainable
+        assert stats_view(stats) == wire
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

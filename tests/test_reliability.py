@@ -9,8 +9,14 @@ import torch
 import shardfn as sf
 from shardfn.testing import RankProcessError, run_on_mesh
 from shardfn.testing.models import mlp_loss, mlp_params
+from traffic import sent
 
-HANG_BOUND_S = 10.0  # a bound on a hang (the mesh timeouts are 12 s), not a timing benchmark
+# A bound on a hang, not a timing benchmark: the fail-fast paths below take ~0.1 s (100x
+# margin on a loaded 2-core machine) and the hang they rule out is the mesh timeout,
+# twice the bound. The simulated meshes keep that timeout short: stuck gloo work lingers
+# until it, holding exit.
+MESH_TIMEOUT_S = 12
+HANG_BOUND_S = MESH_TIMEOUT_S / 2
 
 
 def _skip_a_collective(mesh):
@@ -22,18 +28,18 @@ def _skip_a_collective(mesh):
 
 
 def test_desync_is_named_on_the_simulated_mesh():
-    mesh = sf.local_mesh({"data": 2}, timeout=12)  # short: stuck gloo work lingers until it, holding exit
+    mesh = sf.local_mesh({"data": 2}, timeout=MESH_TIMEOUT_S)
     start = time.monotonic()
     with pytest.raises(sf.DesyncError, match=r"as collective #1 of that group, rank \d issued all_reduce\[sum\]"
                                              r"\(shape=\((2|3),\).*but rank \d issued all_reduce\[sum\]\(shape=\((2|3),\)"):
         mesh.run(_skip_a_collective, mesh)
-    assert time.monotonic() - start < HANG_BOUND_S  # long before the 12 s timeout
+    assert time.monotonic() - start < HANG_BOUND_S  # long before the timeout
 
 
 @pytest.mark.multiprocess
 def test_desync_is_named_across_processes():
     def body():
-        mesh = sf.init_mesh({"data": 2}, timeout=20, check_collectives=True)
+        mesh = sf.init_mesh({"data": 2}, timeout=2 * MESH_TIMEOUT_S, check_collectives=True)
         return _skip_a_collective(mesh)
 
     from shardfn.testing import run_multiprocess
@@ -97,19 +103,23 @@ def test_check_finite_off_by_default_costs_nothing():
     step = sf.shard(lambda p, x: (p["w"] * x).sum(), mesh)
 
     def body():
-        torch.func.grad(step)(step.shard_params({"w": torch.ones(4)}), torch.ones(4))
-        return step.stats()["num_collectives"]
+        shards = step.shard_params({"w": torch.ones(4)})
+        with sent() as rec:
+            torch.func.grad(step)(shards, torch.ones(4))
+        return [(c.op, c.nbytes) for c in rec.records], step.stats()["num_collectives"]
 
-    assert mesh.run(body) == [3, 3]  # all-gather, reduce-scatter, loss all-reduce
+    for records, counted in mesh.run(body):  # what the backend sent: no finiteness flags
+        assert sorted(records) == [("all_gather", 16), ("all_reduce", 4), ("reduce_scatter", 16)]
+        assert counted == 3
 
 
 def test_keyboard_interrupt_stops_every_simulated_rank():
-    mesh = sf.local_mesh({"data": 2}, timeout=12)  # short: stuck gloo work lingers until it, holding exit
+    mesh = sf.local_mesh({"data": 2}, timeout=MESH_TIMEOUT_S)
 
     def body():
         if mesh.rank == 0:
             _thread.interrupt_main()  # as if the user pressed Ctrl-C in the notebook
-            mesh.all_reduce(torch.ones(1), "data")  # rank 1 never joins: would wait 12 s
+            mesh.all_reduce(torch.ones(1), "data")  # rank 1 never joins: would wait MESH_TIMEOUT_S
         return mesh.rank
 
     start = time.monotonic()

@@ -308,11 +308,12 @@ def test_tp_mlp_local_mode_grads_of_all_weights(mesh_id):
         return loss, grads, {k: v.grad for k, v in eager.items()}
 
     results = mesh.run(body)
+    claimed = dict(rtol=0, atol=1e-12)  # docs/autodiff.md: "the single-device gradients, to 1e-12 in float64"
     for loss, _, _ in results:
-        torch.testing.assert_close(loss, want_loss, **TIGHT)
+        torch.testing.assert_close(loss, want_loss, **claimed)
     # join_tree checks that the replicas of each replicated gradient agree
-    assert_trees_close(join_tree([g for _, g, _ in results], TP_PARAM_SPECS, mesh.shape), want_grads)
-    assert_trees_close(join_tree([e for _, _, e in results], TP_PARAM_SPECS, mesh.shape), want_grads)
+    assert_trees_close(join_tree([g for _, g, _ in results], TP_PARAM_SPECS, mesh.shape), want_grads, **claimed)
+    assert_trees_close(join_tree([e for _, _, e in results], TP_PARAM_SPECS, mesh.shape), want_grads, **claimed)
 
 
 @pytest.mark.parametrize("mesh_id", list(TP_MESHES))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ __all__ = [
     "reduce_scatter_async",
     "FORCE_FALLBACK",
     "recording",
+    "Collective",
 ]
 
 def plain_mode() -> contextlib.ExitStack:
@@ -64,26 +65,47 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 _recorders = threading.local()
 
 
-class recording:
-    """Context manager: call `sink(op, axes, nbytes)` for each collective this thread issues."""
+class Collective(NamedTuple):
+    """One collective as `recording` saw it: what this rank handed to the process group."""
 
-    def __init__(self, sink: Callable[[str, tuple, int], None]):
+    op: str  # "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute"
+    axes: tuple  # the mesh axes of the group
+    nbytes: int  # the logical (unsharded, padded) buffer: all-gather's output, reduce-scatter's input
+    dtype: torch.dtype
+
+
+class recording:
+    """Context manager: note each collective this thread hands to a process group (an op
+    that short-circuits a one-rank group into a copy is not noted). `records` lists them
+    as `Collective`s; a `sink`, if given, is also called as `sink(op, axes, nbytes)`.
+
+    Example: `with ops.recording() as rec: ...` then `[c.op for c in rec.records]`.
+    """
+
+    def __init__(self, sink: Callable[[str, tuple, int], None] | None = None):
         self.sink = sink
+        self.records: list[Collective] = []
+
+    def _note(self, record: Collective) -> None:
+        self.records.append(record)
+        if self.sink is not None:
+            self.sink(record.op, record.axes, record.nbytes)
 
     def __enter__(self):
         stack = getattr(_recorders, "stack", None)
         if stack is None:
             stack = _recorders.stack = []
-        stack.append(self.sink)
+        stack.append(self)
         return self
 
     def __exit__(self, *exc):
         _recorders.stack.pop()
 
 
-def _note(op: str, group: Group, nbytes: int) -> None:
-    for sink in getattr(_recorders, "stack", ()):
-        sink(op, group.axes, nbytes)
+def _note(op: str, group: Group, x: torch.Tensor) -> None:
+    """Tell the recordings of this thread that `x` (the logical buffer) goes over `group`."""
+    for rec in getattr(_recorders, "stack", ()):
+        rec._note(Collective(op, group.axes, x.numel() * x.element_size(), x.dtype))
 
 
 class Pending:
@@ -140,7 +162,7 @@ def all_reduce(group: Group, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
     out = x.detach().clone(memory_format=torch.contiguous_format)
     if group.size == 1:
         return out
-    _note("all_reduce", group, out.numel() * out.element_size())
+    _note("all_reduce", group, out)
     what = _describe(f"all_reduce[{op}]", out)
     seq = group.backend.begin(group, what)
     group.backend.wait(_all_reduce_work(group, out, op), group, what, seq)
@@ -179,7 +201,7 @@ def all_gather_async(group: Group, x: torch.Tensor, out: torch.Tensor | None = N
     k = group.size
     if out is None:
         out = torch.empty((k,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    _note("all_gather", group, out.numel() * out.element_size())
+    _note("all_gather", group, out)
 
     def direct():
         work = group.pg._allgather_base(out.view(-1), x.view(-1))
@@ -211,7 +233,7 @@ def reduce_scatter_async(group: Group, x: torch.Tensor, out: torch.Tensor | None
     x = x.detach().contiguous()
     if out is None:
         out = torch.empty(tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _note("reduce_scatter", group, x.numel() * x.element_size())
+    _note("reduce_scatter", group, x)
     x_pg = _blocks_to_pg(group, x)
 
     def direct():
@@ -251,7 +273,7 @@ def all_to_all(group: Group, x: torch.Tensor, split_dim: int, concat_dim: int) -
     m = moved.shape[0] // k
     blocks = _blocks_to_pg(group, moved.reshape((k, m) + tuple(moved.shape[1:]))).contiguous()
     out = torch.empty_like(blocks)
-    _note("all_to_all", group, blocks.numel() * blocks.element_size())
+    _note("all_to_all", group, blocks)
 
     def finish(received: torch.Tensor) -> torch.Tensor:
         received = _blocks_to_logical(group, received)  # (k, m, *rest): source-major blocks
@@ -292,7 +314,7 @@ def ppermute(group: Group, x: torch.Tensor, perm: Sequence[tuple[int, int]]) -> 
         out_splits[to_pg(src)] = n
     send = flat if dst is not None else flat[:0]
     recv = torch.zeros(n if src is not None else 0, dtype=x.dtype, device=x.device)
-    _note("ppermute", group, n * x.element_size())
+    _note("ppermute", group, flat)
 
     def finish():
         return recv.view(x.shape) if src is not None else torch.zeros_like(x)

@@ -197,7 +197,7 @@ class LossMean(torch.autograd.Function):
     @staticmethod
     def forward(loss, rs: RankState):
         rs.check_loss(loss)
-        rs.stats.collective("all_reduce", loss.numel() * loss.element_size())
+        rs.stats.collective("all_reduce", loss.numel() * loss.element_size(), rs.groups.data)
         return ops.all_reduce(rs.groups.data, loss) / rs.groups.data.size
 
     @staticmethod

@@ -37,7 +37,11 @@ class Stats:
         self.values = dict.fromkeys(self.KEYS, 0)
         self.live = 0
 
-    def collective(self, kind: str, nbytes: int) -> None:
+    def collective(self, kind: str, nbytes: int, group=None) -> None:
+        """Count a collective; an all-reduce over a one-rank `group` sends nothing (ops makes
+        it a copy) and is not counted."""
+        if group is not None and group.size == 1:
+            return
         self.values[f"{kind}_bytes"] += nbytes
         self.values["num_collectives"] += 1
 
@@ -114,7 +118,7 @@ def check_finite(values: torch.Tensor, what: str, *, group, stats: Stats) -> Non
     """`shard(check_finite=True)`: raise NonFiniteError on every rank of `group` if
     `values` holds a NaN/Inf on any of them (one tiny all-reduce + one on failure)."""
     bad = torch.tensor([0.0 if bool(torch.isfinite(values).all()) else 1.0], device=values.device)
-    stats.collective("all_reduce", _nbytes(bad))
+    stats.collective("all_reduce", _nbytes(bad), group)
     if float(ops.all_reduce(group, bad, "max")) == 0.0:
         return
     flags = ops.all_gather(group, bad).tolist()

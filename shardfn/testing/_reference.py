@@ -67,6 +67,8 @@ __all__ = [
 
 
 def _axes(axis, mesh_shape, op: str) -> tuple[str, ...]:
+    if axis is None:  # every axis, as shardfn's collectives read it (Mesh.axes)
+        return tuple(mesh_shape)
     names = (axis,) if isinstance(axis, str) else tuple(axis)
     unknown = [a for a in names if a not in mesh_shape]
     if unknown or not names or len(set(names)) != len(names):
