@@ -281,8 +281,8 @@ class _Remat(torch.autograd.Function):
             _local.recorder = previous
         call.names, call.kept = recorder.names, recorder.finish()
         if call.offload_to is not None:
-            call.kept = {i: _tree.tree_map(lambda t: _offload(t, call, i), out)
-                         for i, out in call.kept.items()}
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                call.kept = {i: _tree.tree_map(lambda t: _offload(t, call, i), out) for i, out in call.kept.items()}
         return call.flat_outputs(out)
 
     @staticmethod
@@ -295,7 +295,8 @@ class _Remat(torch.autograd.Function):
     def backward(ctx, *grads):
         call: _Call = ctx.call
         inputs = ctx.saved_tensors
-        wrt = [i for i, t in enumerate(inputs) if t.is_floating_point() or t.is_complex()]
+        needed = ctx.needs_input_grad[1:]  # differentiate only what the caller asks for
+        wrt = [i for i, t in enumerate(inputs) if needed[i] and (t.is_floating_point() or t.is_complex())]
 
         def rerun(*diff):
             full = list(inputs)
@@ -304,9 +305,9 @@ class _Remat(torch.autograd.Function):
             return call.flat_outputs(call.call(full))
 
         kept = call.kept
-        if call.offload_to is not None:
-            kept = {i: _tree.tree_map(lambda t: t.to(call.devices.get(i, t.device)) if isinstance(t, torch.Tensor) else t,
-                                      out) for i, out in kept.items()}
+        if call.offload_to is not None:  # back where they were made (plain: replay hands out plain tensors)
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                kept = {i: _tree.tree_map(lambda t: _move(t, call.devices.get(i)), out) for i, out in kept.items()}
         with call.replaying_rng(), _bound(call.binding), _Replay(call.names, kept):
             _, pullback = torch.func.vjp(rerun, *[inputs[i] for i in wrt])
         partial = pullback(tuple(grads))
@@ -338,7 +339,11 @@ def _offload(t, call: _Call, i: int):
     if not isinstance(t, torch.Tensor):
         return t
     call.devices[i] = t.device
-    return t.to(call.offload_to)
+    return _move(t, call.offload_to)
+
+
+def _move(t, device):
+    return t.to(device) if isinstance(t, torch.Tensor) and device is not None else t
 
 
 class _bound:
