@@ -113,15 +113,17 @@ class Plan(NamedTuple):
     from_layout: Callable  # and back (for sampling from the gathered parameters)
 
 
-def parallelize(kind: str, mesh, apply_fn, cfg: Config) -> Plan:
+def parallelize(kind: str, mesh, apply_fn, cfg: Config, remat: bool = False) -> Plan:
     """fsdp / hsdp: ZeRO-3 over the module's own tree (hsdp: sharded over 'shard' only,
     gradients averaged over 'replica' too); fsdp_tp: Megatron's split of every block over
-    'model' (below), FSDP over 'data'."""
+    'model' (below), FSDP over 'data'. `remat`: each block's activations are recomputed in
+    the backward (sf.remat; for fsdp / hsdp, apply_fn comes from sf.functional(..., remat=True))."""
     data_axes = tuple(a for a in mesh.axis_names if a != "model")  # the axes that split the batch
     options = dict(data_axes=data_axes, shard_axes="shard" if kind == "hsdp" else "data")
     if kind != "fsdp_tp":
         return Plan(apply_fn, options, lambda p: p, lambda p: p)
-    return Plan(lambda p, idx: tp_forward(p, idx, cfg), dict(options, param_specs=tp_spec),
+    block = sf.remat(tp_block) if remat else tp_block
+    return Plan(lambda p, idx: tp_forward(p, idx, cfg, block), dict(options, param_specs=tp_spec),
                 lambda p: to_tp(p, cfg), lambda p: from_tp(p, cfg))
 
 
@@ -161,26 +163,34 @@ def from_tp(params, cfg: Config):
         lambda path, p: p.reshape(3 * cfg.n_embd, *p.shape[2:]) if "c_attn" in path else p, params)
 
 
-def tp_forward(params, idx, cfg: Config):
+def tp_forward(params, idx, cfg: Config, block=None):
     """GPT.forward on this rank's blocks of the `to_tp` tree; logits on every 'model' rank."""
-    B, T = idx.shape
-    C, hs = cfg.n_embd, cfg.n_embd // cfg.n_head
+    block = block or tp_block
+    T = idx.shape[1]
+    C = cfg.n_embd
     tf = params["transformer"]
     x = tf["wte"]["weight"][idx] + tf["wpe"]["weight"][:T]  # (B, T, C)
     for blk in tf["h"]:
-        h = F.layer_norm(x, (C,), blk["ln_1"]["weight"], blk["ln_1"]["bias"])
-        attn = blk["attn"]
-        w, b = attn["c_attn"]["weight"], attn["c_attn"]["bias"]  # (3, C / model, C), (3, C / model)
-        q, k, v = torch.einsum("btc,koc->kbto", h, w) + b[:, None, None, :]  # each (B, T, C / model)
-        nh = q.shape[-1] // hs  # this rank's heads
-        q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, nh * hs)
-        x = x + sf.psum(y @ attn["c_proj"]["weight"].T, "model") + attn["c_proj"]["bias"]  # row-parallel
-        h = F.layer_norm(x, (C,), blk["ln_2"]["weight"], blk["ln_2"]["bias"])
-        a = F.gelu(h @ blk["mlp"][0]["weight"].T + blk["mlp"][0]["bias"])  # (B, T, 4C / model)
-        x = x + sf.psum(a @ blk["mlp"][2]["weight"].T, "model") + blk["mlp"][2]["bias"]
+        x = block(blk, x, cfg)
     x = F.layer_norm(x, (C,), tf["ln_f"]["weight"], tf["ln_f"]["bias"])
     return x @ tf["wte"]["weight"].T  # the tied head: (B, T, vocab)
+
+
+def tp_block(blk, x, cfg: Config):
+    """One block on this rank's heads and hidden units: (B, T, C) -> (B, T, C)."""
+    B, T, C = x.shape
+    hs = C // cfg.n_head
+    h = F.layer_norm(x, (C,), blk["ln_1"]["weight"], blk["ln_1"]["bias"])
+    attn = blk["attn"]
+    w, b = attn["c_attn"]["weight"], attn["c_attn"]["bias"]  # (3, C / model, C), (3, C / model)
+    q, k, v = torch.einsum("btc,koc->kbto", h, w) + b[:, None, None, :]  # each (B, T, C / model)
+    nh = q.shape[-1] // hs  # this rank's heads
+    q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, nh * hs)
+    x = x + sf.psum(y @ attn["c_proj"]["weight"].T, "model") + attn["c_proj"]["bias"]  # row-parallel
+    h = F.layer_norm(x, (C,), blk["ln_2"]["weight"], blk["ln_2"]["bias"])
+    a = F.gelu(h @ blk["mlp"][0]["weight"].T + blk["mlp"][0]["bias"])  # (B, T, 4C / model)
+    return x + sf.psum(a @ blk["mlp"][2]["weight"].T, "model") + blk["mlp"][2]["bias"]
 
 
 # -- training: the per-rank program ---------------------------------------------------
@@ -220,7 +230,7 @@ class Progress:
 def train(mesh, cfg: Config, args, apply_fn, params, data):
     """Run on every rank. Returns (losses, full params, per-rank memory table)."""
     torch.set_num_threads(1)  # the ranks are the parallelism; keep runs reproducible
-    plan = parallelize(args.mesh, mesh, apply_fn, cfg)
+    plan = parallelize(args.mesh, mesh, apply_fn, cfg, remat=args.remat)
 
     def loss_fn(params, batch):
         x, y = batch  # (B, T), (B, T)
@@ -373,6 +383,7 @@ def main():
     parser.add_argument("--mesh", choices=["fsdp", "hsdp", "fsdp_tp"], default="fsdp")
     parser.add_argument("--ranks", type=int, default=4, help="simulated ranks (torchrun: WORLD_SIZE)")
     parser.add_argument("--bf16", action="store_true", help="bf16 gathers and compute, fp32 master weights and reductions")
+    parser.add_argument("--remat", action="store_true", help="recompute each block's activations in the backward (sf.remat)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, 32-wide model for smoke tests")
@@ -402,7 +413,7 @@ def main():
     mesh = sf.init_mesh(shape, timeout=120) if distributed else sf.local_mesh(shape, timeout=120)
 
     data = load_text(cfg.text_chars)
-    apply_fn, params = sf.functional(GPT(gpt_config(cfg)))
+    apply_fn, params = sf.functional(GPT(gpt_config(cfg)), remat=True if args.remat else None)
     params = init_params(params, args.seed)
     data_ranks = world // 2 if args.mesh == "fsdp_tp" else world  # the 'model' ranks share a batch
     if not distributed or mesh.rank == 0:

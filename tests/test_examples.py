@@ -101,6 +101,16 @@ def test_train_gpt_fsdp_tp_equals_fsdp_on_the_data_ranks(tmp_path):
     assert "--- sample 0" in tp["stdout"]  # sampled from the gathered, un-split parameters
 
 
+@pytest.mark.parametrize("mesh", ["fsdp", "fsdp_tp"])
+def test_train_gpt_remat_trains_exactly_as_without(tmp_path, mesh):
+    """--remat recomputes each block in the backward: the same ops on the same inputs, so the
+    same losses bit for bit (fsdp_tp: the recompute re-runs the block's psums over 'model')."""
+    ranks = ["--ranks", "4"] if mesh == "fsdp_tp" else ["--ranks", "2"]
+    plain = train_gpt(tmp_path, "--tiny", "--steps", "6", "--mesh", mesh, *ranks, name="plain")
+    remat = train_gpt(tmp_path, "--tiny", "--steps", "6", "--mesh", mesh, *ranks, "--remat", name="remat")
+    assert remat["losses"] == plain["losses"]
+
+
 def test_train_gpt_fsdp_tp_needs_an_even_world():
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), "--mesh", "fsdp_tp", "--ranks", "3"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
