@@ -291,10 +291,7 @@ def train(mesh, cfg: Config, args, apply_fn, params, data):
 
 def _checkpoint(step, shards, opt_state):
     """sf.checkpoint, and the specs of what we save: AdamW's moments are sharded like the params."""
-    try:
-        import shardfn.checkpoint as ckpt
-    except ImportError as e:  # pragma: no cover - only on a shardfn without sf.checkpoint
-        raise SystemExit(f"--ckpt-dir / --resume require sf.checkpoint (shardfn/checkpoint.py): {e}")
+    ckpt = sf.checkpoint
     specs = {"params": step.specs, "opt": ckpt.specs_like(opt_state, step.specs, shards), "step": None, "losses": None}
     return ckpt, specs
 
