@@ -66,6 +66,7 @@ class Initializer:
     """
 
     random: bool = True
+    name: str = "initializer"  # the public constructor, for messages
 
     def rows(self, shape: tuple[int, ...], dtype: torch.dtype, start: int, stop: int,
              generator: torch.Generator | None) -> torch.Tensor:
@@ -79,22 +80,34 @@ class Initializer:
             shape = (shape,)
         return Param(tuple(shape), self, torch.float32 if dtype is None else dtype)
 
+    def __repr__(self) -> str:
+        fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        fields = [f for f in fields if f.name != "distribution"]  # part of the name (kaiming_uniform)
+        return f"sf.init.{self.name}(" + ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields) + ")"
+
 
 def _block_shape(shape, start, stop) -> tuple[int, ...]:
     return (stop - start,) + tuple(shape[1:])
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Constant(Initializer):
     value: float
     random = False
+
+    def __repr__(self) -> str:
+        if type(self.value) is int and self.value in (0, 1):  # what zeros() and ones() build
+            return "sf.init.zeros()" if self.value == 0 else "sf.init.ones()"
+        return f"sf.init.constant({self.value!r})"
 
     def rows(self, shape, dtype, start, stop, generator):
         return torch.full(_block_shape(shape, start, stop), self.value, dtype=dtype)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Normal(Initializer):
+    name = "normal"
+
     mean: float = 0.0
     std: float = 1.0
 
@@ -103,8 +116,10 @@ class _Normal(Initializer):
         return out.normal_(self.mean, self.std, generator=generator)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _TruncNormal(Initializer):
+    name = "trunc_normal"
+
     mean: float = 0.0
     std: float = 1.0
     a: float = -2.0
@@ -115,8 +130,10 @@ class _TruncNormal(Initializer):
         return torch.nn.init.trunc_normal_(out, self.mean, self.std, self.a, self.b, generator=generator)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Uniform(Initializer):
+    name = "uniform"
+
     a: float = 0.0
     b: float = 1.0
 
@@ -137,15 +154,19 @@ def _fans(shape: tuple[int, ...], who: str) -> tuple[int, int]:
     return shape[1] * receptive, shape[0] * receptive
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Kaiming(Initializer):
     a: float = 0.0
     mode: str = "fan_in"
     nonlinearity: str = "leaky_relu"
     distribution: str = "uniform"
 
+    @property
+    def name(self) -> str:
+        return f"kaiming_{self.distribution}"
+
     def rows(self, shape, dtype, start, stop, generator):
-        fan_in, fan_out = _fans(shape, f"kaiming_{self.distribution}")
+        fan_in, fan_out = _fans(shape, self.name)
         fan = fan_in if self.mode == "fan_in" else fan_out
         std = torch.nn.init.calculate_gain(self.nonlinearity, self.a) / math.sqrt(fan)
         out = torch.empty(_block_shape(shape, start, stop), dtype=dtype)
@@ -155,13 +176,17 @@ class _Kaiming(Initializer):
         return out.normal_(0.0, std, generator=generator)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Xavier(Initializer):
     gain: float = 1.0
     distribution: str = "uniform"
 
+    @property
+    def name(self) -> str:
+        return f"xavier_{self.distribution}"
+
     def rows(self, shape, dtype, start, stop, generator):
-        fan_in, fan_out = _fans(shape, f"xavier_{self.distribution}")
+        fan_in, fan_out = _fans(shape, self.name)
         std = self.gain * math.sqrt(2.0 / (fan_in + fan_out))
         out = torch.empty(_block_shape(shape, start, stop), dtype=dtype)
         if self.distribution == "uniform":
@@ -170,11 +195,14 @@ class _Xavier(Initializer):
         return out.normal_(0.0, std, generator=generator)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Embedding(Initializer):
     """nn.Embedding's default: normal(0, 1), with the `padding_idx` row zero."""
 
     padding_idx: int | None = None
+
+    def __repr__(self) -> str:
+        return f"sf.init.torch_default(nn.Embedding(..., padding_idx={self.padding_idx!r}))"
 
     def rows(self, shape, dtype, start, stop, generator):
         out = torch.empty(_block_shape(shape, start, stop), dtype=dtype).normal_(0.0, 1.0, generator=generator)
@@ -251,7 +279,7 @@ class Param:
     Example:
       >>> import shardfn as sf, torch
       >>> sf.init.Param((4, 3), sf.init.zeros())
-      Param(shape=(4, 3), init=_Constant(value=0), dtype=torch.float32)
+      Param(shape=(4, 3), init=sf.init.zeros(), dtype=torch.float32)
       >>> sf.init.normal(std=0.02)((8, 2), torch.bfloat16).dtype
       torch.bfloat16
     """
@@ -276,7 +304,8 @@ def describe(init_fn) -> tuple[list, list[Param], Any]:
     paths, leaves, treedef = _tree.flatten_with_paths(tree)
     problems = [p for p in (_leaf_problem(path, leaf) for path, leaf in zip(paths, leaves)) if p]
     if problems:
-        raise ShardingError("sf.init: every leaf of the description must be an sf.init.Param:\n" + bullet_list(problems))
+        raise ShardingError("sf.init: every leaf of the description must be an sf.init.Param:\n"
+                            + bullet_list(problems))
     if not leaves:
         raise ShardingError("sf.init: the description has no leaves (an empty tree); return a tree of sf.init.Param")
     return list(paths), list(leaves), treedef
@@ -405,7 +434,7 @@ def torch_default(module: torch.nn.Module, name: str) -> Initializer | None:
             return uniform(-bound, bound)
     if isinstance(module, nn.Embedding) and name == "weight":
         return _Embedding(module.padding_idx)
-    norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+    norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, getattr(nn, "RMSNorm", nn.LayerNorm))
     if isinstance(module, norms):
         return {"weight": ones(), "bias": zeros()}.get(name)
     return None
@@ -438,7 +467,7 @@ def from_module(module: torch.nn.Module, overrides=None):
       ...     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
       >>> desc = sf.init.from_module(net, {torch.nn.Linear: {"bias": sf.init.zeros()}})
       >>> desc[0]["weight"].init, desc[1]["weight"].init
-      (_Kaiming(a=2.23606797749979, mode='fan_in', nonlinearity='leaky_relu', distribution='uniform'), _Constant(value=1))
+      (sf.init.kaiming_uniform(a=2.23606797749979, mode='fan_in', nonlinearity='leaky_relu'), sf.init.ones())
       >>> sf.init.materialize(desc, seed=0)[0]["bias"].tolist()
       [0.0, 0.0, 0.0, 0.0]
     """
@@ -477,7 +506,9 @@ def _override_fn(overrides) -> Callable:
     if callable(overrides) and not isinstance(overrides, dict):
         return lambda path, owner, name, dotted: overrides(path, owner, name)
     if not isinstance(overrides, dict):
-        raise ShardingError(f"sf.init.from_module: overrides must be a dict or a function, got {type(overrides).__name__}")
+        raise ShardingError(
+            f"sf.init.from_module: overrides must be a dict or a function, got {type(overrides).__name__}"
+        )
 
     def choose(path, owner, name, dotted):
         if dotted in overrides:

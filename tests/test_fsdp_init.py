@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import shardfn as sf
 from collective_cases import mesh_for
+from shardfn.testing import run_on_mesh
 from shardfn.testing.models import GPT, GPTConfig
 
 P = sf.P
@@ -86,6 +87,21 @@ def test_unsharded_init_shards_equal_materialize_at_every_world_size(n):
     assert mesh.run(body) == [(r, 512) for r in rows]
 
 
+@pytest.mark.multiprocess
+def test_processes_draw_the_same_tree():
+    desc = description()
+    full = I.materialize(desc, seed=9)
+
+    def body(mesh):
+        step = sf.shard(_loss, mesh, units=_one_unit_per_leaf)
+        shards = step.init_shards(desc, seed=9)
+        _assert_trees_equal(shards, step.shard_params(full))
+        return step.unshard_params(shards)
+
+    for unsharded in run_on_mesh(body, {"data": 2}, "distributed"):
+        _assert_trees_equal(unsharded, full)
+
+
 def test_a_function_description_runs_on_the_meta_device_and_seeds_matter():
     seen = []
 
@@ -145,12 +161,14 @@ def test_tensor_parallel_blocks_are_drawn_in_place(shape):
 def test_hsdp_replicas_draw_the_same_shards():
     desc = {"w": I.normal()((10, 4)), "b": I.zeros()((4,))}
     mesh = mesh_for({"replica": 2, "shard": 2})
-    step = sf.shard(_loss, mesh, data_axes=("replica", "shard"), shard_axes="shard")
+    step = sf.shard(_loss, mesh, data_axes=("replica", "shard"), shard_axes="shard",
+                    replicated=lambda path: path == ("b",))  # kept whole on every rank
     full = I.materialize(desc, seed=3)
     out = mesh.run(lambda: (step.init_shards(desc, seed=3), step.unshard_params(step.init_shards(desc, seed=3))))
     for shards, unsharded in out:
         _assert_trees_equal(unsharded, full)
     _assert_trees_equal(out[0][0], out[2][0])  # same shard coordinate, other replica
+    assert out[0][0]["w"].shape == (5, 4) and out[0][0]["b"].shape == (4,)
 
 
 # -- nn.Module ----------------------------------------------------------------------------------
@@ -183,8 +201,8 @@ def test_from_module_follows_functional_and_gpts_init():
 
 def test_from_module_uses_torchs_defaults():
     with torch.device("meta"):
-        net = nn.ModuleDict({"lin": nn.Linear(16, 8), "conv": nn.Conv2d(3, 4, 3), "emb": nn.Embedding(10, 4, padding_idx=2),
-                             "ln": nn.LayerNorm(8), "bn": nn.BatchNorm1d(8)})
+        net = nn.ModuleDict({"lin": nn.Linear(16, 8), "conv": nn.Conv2d(3, 4, 3),
+                             "emb": nn.Embedding(10, 4, padding_idx=2), "ln": nn.LayerNorm(8), "bn": nn.BatchNorm1d(8)})
     desc = I.from_module(net)
     assert desc["lin"]["weight"].init == I.kaiming_uniform(a=math.sqrt(5))
     assert desc["lin"]["bias"].init == I.uniform(-1 / 4, 1 / 4)  # fan_in 16
@@ -297,7 +315,7 @@ def test_a_leaf_without_an_initializer_is_named():
     message = str(info.value)
     assert "params['w'] is a meta tensor of shape (4, 3) without an initializer" in message
     assert "sf.init.Param((4, 3), sf.init.normal(std=0.02), torch.float32)" in message
-    assert "params['c'] is an initializer (_Normal(mean=0.0, std=1.0)) without a shape" in message
+    assert "params['c'] is an initializer (sf.init.normal(mean=0.0, std=1.0)) without a shape" in message
     assert "params['d'] is a float, not an sf.init.Param" in message
     assert "params['b']" not in message
 
@@ -326,7 +344,8 @@ def test_a_shape_that_does_not_fit_param_specs_is_named():
 def test_ranks_with_different_seeds_fail_together():
     mesh = mesh_for({"data": 2})
     step = sf.shard(_loss, mesh)
-    with pytest.raises(sf.ShardingError, match=r"(?s)different parameter descriptions \(or seeds\).*rank \d has seed \d, rank \d has seed \d"):
+    with pytest.raises(sf.ShardingError, match=r"(?s)different parameter descriptions \(or seeds\).*"
+                                               r"rank \d has seed \d, rank \d has seed \d"):
         mesh.run(lambda: step.init_shards({"w": I.normal()((4, 4))}, seed=mesh.rank))
 
 
