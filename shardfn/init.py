@@ -288,6 +288,12 @@ class Param:
     init: Initializer
     dtype: torch.dtype = torch.float32
 
+    def __post_init__(self):
+        if isinstance(self.shape, int):
+            object.__setattr__(self, "shape", (self.shape,))
+        elif isinstance(self.shape, (list, torch.Size)):
+            object.__setattr__(self, "shape", tuple(self.shape))
+
     def meta(self) -> torch.Tensor:
         """An empty tensor of this shape and dtype on the meta device."""
         return torch.empty(self.shape, dtype=self.dtype, device="meta")
@@ -296,6 +302,12 @@ class Param:
 def describe(init_fn) -> tuple[list, list[Param], Any]:
     """`(paths, params, treedef)` of a description (or of `init_fn()` run under
     `torch.device("meta")`), every leaf checked; ShardingError listing the bad ones."""
+    if isinstance(init_fn, torch.nn.Module):
+        raise ShardingError(
+            f"sf.init: got the module {type(init_fn).__name__} itself as the description; fix: pass "
+            f"sf.init.from_module(module) (or lambda: sf.init.from_module({type(init_fn).__name__}(...)), "
+            f"which builds it on the meta device)"
+        )
     if callable(init_fn) and not isinstance(init_fn, Initializer):
         with torch.device("meta"):
             tree = init_fn()

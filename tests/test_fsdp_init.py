@@ -318,6 +318,10 @@ def test_a_leaf_without_an_initializer_is_named():
     assert "params['c'] is an initializer (sf.init.normal(mean=0.0, std=1.0)) without a shape" in message
     assert "params['d'] is a float, not an sf.init.Param" in message
     assert "params['b']" not in message
+    with pytest.raises(sf.ShardingError, match=r"got the module Linear itself as the description; fix: pass "
+                                               r"sf.init.from_module\(module\)"):
+        I.materialize(nn.Linear(2, 2), seed=0)
+    assert I.Param([4, 3], I.zeros()) == I.Param((4, 3), I.zeros()) == I.zeros()(torch.Size([4, 3]))
 
 
 def test_a_random_initializer_on_an_integer_leaf_is_named():
