@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import shardfn as sf
 from collective_cases import mesh_for
+from shardfn._init.describe import ROW_BLOCK_NUMEL
 from shardfn.testing import run_on_mesh
 from shardfn.testing.models import GPT, GPTConfig
 
@@ -302,7 +303,7 @@ def test_no_rank_holds_more_than_its_shards_and_one_leaf(n):
           f"(model {model_bytes} / {n} + largest leaf {largest})")
     assert held == model_bytes // n  # every dim divides by 4: rank 0 holds exactly 1/N
     assert held <= net <= peak <= bound
-    assert peak - held <= 4 * I.ROW_BLOCK_NUMEL  # besides the shards: one fp32 row block at a time
+    assert peak - held <= 4 * ROW_BLOCK_NUMEL  # besides the shards: one fp32 row block at a time
 
 
 # -- errors ------------------------------------------------------------------------------------

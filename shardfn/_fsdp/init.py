@@ -6,7 +6,7 @@ tensor-parallel specs and checks, the same `Plan` (shared through the step's pla
 so `step(...)`, `unshard_params` and `step.specs` treat these shards as their own). Then
 each leaf's part on this rank, the global index range of its tensor-parallel block's
 dim-0 chunk, is drawn block by block ([Note: N-independent random streams] in
-shardfn/init.py): the values equal `sf.init.materialize(init_fn, seed)` sliced the way
+shardfn/_init/describe.py): the values equal `sf.init.materialize(init_fn, seed)` sliced the way
 `shard_params` slices it, and no rank holds more than its shards plus one row block.
 """
 
@@ -18,7 +18,7 @@ from .. import _tree
 from .._agree import check_same_everywhere
 from .._blocks import slice_block
 from .._spec import block_index, chunk_bounds
-from ..init import _check_seed, describe, sample
+from .._init.describe import _check_seed, describe, sample
 from . import tp
 from .plan import Plan, build_plan
 
