@@ -152,7 +152,9 @@ def test_tensor_parallel_blocks_are_drawn_in_place(shape):
 
     def body():
         shards = step.init_shards(desc, seed=7)
+        specs = step.specs  # the layout init_shards reports is shard_params'
         _assert_trees_equal(shards, step.shard_params(full))
+        assert step.specs == specs
         _assert_trees_equal(step.unshard_params(shards), full)
         return True
 

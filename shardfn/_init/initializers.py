@@ -26,7 +26,16 @@ class Initializer:
 
     `random` initializers draw from `generator` (one per row block) and need a floating
     dtype; the others ignore it. Call an initializer with a shape (or a meta tensor) to get
-    a `Param`: `sf.init.normal(std=0.02)((1024, 256))`.
+    a `Param`: `sf.init.normal(std=0.02)((1024, 256))`. A new initializer subclasses this
+    (a frozen dataclass, so that its repr and equality describe it) and defines `rows`.
+
+    Example:
+      >>> import shardfn as sf, torch
+      >>> init = sf.init.uniform(-1, 1)
+      >>> init((3, 2))
+      Param(shape=(3, 2), init=sf.init.uniform(a=-1.0, b=1.0), dtype=torch.float32)
+      >>> init.rows((3, 2), torch.float32, 1, 3, torch.Generator().manual_seed(0)).shape
+      torch.Size([2, 2])
     """
 
     random: bool = True
