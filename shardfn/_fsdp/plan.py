@@ -132,7 +132,7 @@ def _describe_leaf(path, leaf) -> str:
 def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None,
                frozen: Callable[[tuple], bool] | None = None, *,
                tp_axes: tuple[str, ...] = (), tp_specs: list[PartitionSpec] | None = None,
-               reduce_axes: list[tuple[str, ...]] | None = None) -> Plan:
+               reduce_axes: list[tuple[str, ...]] | None = None, allow_meta: bool = False) -> Plan:
     """Lay out `params` over a shard group of size k.
 
     `params` are the blocks that the shard group splits: the full leaves, or with
@@ -140,6 +140,7 @@ def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None
     over `tp_axes`). `reduce_axes[i]` names the non-data axes leaf i is replicated over
     (its gradient is psummed over them); within a unit, leaves are ordered by it so that
     each set of axes is one contiguous range of the shard buffer (`UnitPlan.regions`).
+    `allow_meta` accepts meta tensors (`init_shards` lays out a description, no data).
     """
     paths, leaves, treedef = _tree.flatten_with_paths(params)
     problems = []
@@ -149,10 +150,11 @@ def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None
                 f"{_describe_leaf(path, leaf)} is a {type(leaf).__name__}, not a tensor; fix: make it a "
                 f"tensor, or keep non-tensor settings out of the params tree (close over them)"
             )
-        elif leaf.device.type == "meta":
+        elif leaf.device.type == "meta" and not allow_meta:
             problems.append(
                 f"{_describe_leaf(path, leaf)} is on the meta device (it has no data to shard); fix: "
-                f"materialize it first (e.g. module.to_empty(device=...) and initialize)"
+                f"materialize it first (e.g. module.to_empty(device=...) and initialize), or describe it with "
+                f"sf.init (e.g. sf.init.from_module(module)) and call step.init_shards(description, seed)"
             )
         elif leaf.is_complex():
             problems.append(

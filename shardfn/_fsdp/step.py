@@ -83,6 +83,41 @@ class Shard:
             shards.append(leaf.clone())
         return _tree.unflatten(treedef, shards)
 
+    def init_shards(self, init_fn, seed: int):
+        """This rank's shards of a parameter tree described by `sf.init`, drawn on this rank only.
+
+        No rank ever holds the full tree: each draws only its own dim-0 chunk of each leaf
+        (with `param_specs`, of its tensor-parallel block), plus one row block at a time.
+        The values do not depend on the world size: `step.unshard_params(shards)` equals
+        `sf.init.materialize(init_fn, seed)` bit for bit at any N. The shards are laid out
+        exactly as `step.shard_params` lays out real params (same plan, same checks).
+
+        Args:
+          init_fn: a pytree of `sf.init.Param(shape, initializer, dtype)`, or a function
+            returning one, called under `torch.device("meta")` (e.g.
+            `lambda: sf.init.from_module(GPT(cfg))`).
+          seed: an int, the same on every rank (checked, with the description, by one
+            small collective).
+
+        Returns:
+          This rank's shards, the structure of the description.
+
+        Example:
+          >>> import shardfn as sf, torch
+          >>> mesh = sf.local_mesh({"data": 2})
+          >>> step = sf.shard(lambda p, x: (x @ p["w"] + p["b"]).square().mean(), mesh)
+          >>> desc = {"w": sf.init.normal(std=0.02)((4, 3)), "b": sf.init.zeros()((3,))}
+          >>> def per_rank():
+          ...     shards = step.init_shards(desc, seed=0)
+          ...     full = step.unshard_params(shards)
+          ...     return tuple(shards["w"].shape), torch.equal(full["w"], sf.init.materialize(desc, 0)["w"])
+          >>> mesh.run(per_rank)
+          [((2, 3), True), ((2, 3), True)]
+        """
+        from .init import init_shards
+
+        return init_shards(self, init_fn, seed)
+
     def _rank(self) -> int:
         return self.mesh.rank if self.mesh.in_rank() else -1
 

@@ -1,0 +1,81 @@
+"""`step.init_shards(init_fn, seed)`: each rank materializes only its own shards.
+
+The description (`sf.init`: a tree of `Param(shape, init, dtype)`) is laid out exactly as
+`shard_params` lays out real tensors, from meta tensors of the same shapes: the same
+tensor-parallel specs and checks, the same `Plan` (shared through the step's plan cache,
+so `step(...)`, `unshard_params` and `step.specs` treat these shards as their own). Then
+each leaf's part on this rank, the global index range of its tensor-parallel block's
+dim-0 chunk, is drawn block by block ([Note: N-independent random streams] in
+shardfn/_init/describe.py): the values equal `sf.init.materialize(init_fn, seed)` sliced the way
+`shard_params` slices it, and no rank holds more than its shards plus one row block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _tree
+from .._agree import check_same_everywhere
+from .._blocks import slice_block
+from .._spec import block_index, chunk_bounds
+from .._init.describe import _check_seed, describe, sample
+from . import tp
+from .plan import Plan, build_plan
+
+__all__ = ["init_shards"]
+
+
+def init_shards(step, init_fn, seed: int):
+    """See `Shard.init_shards`."""
+    _check_seed(seed, "step.init_shards")
+    mesh, cfg = step.mesh, step.config
+    paths, params, treedef = describe(init_fn)
+    metas = [p.meta() for p in params]
+    lines = [f"seed {seed}"] + [f"params{_tree.keystr(path)}: {p.shape} {p.dtype} {p.init!r}"
+                                for path, p in zip(paths, params)]
+    check_same_everywhere(
+        mesh.group(mesh.axis_names), lines, "parameter descriptions (or seeds) to init_shards",
+        "call step.init_shards with the same description and the same seed on every rank.",
+    )
+    meta_tree = _tree.unflatten(treedef, metas)
+    specs = tp.tp_specs(cfg.param_specs, meta_tree, paths, metas, mesh, cfg.data_axes, cfg.shard_axes)
+    blocks = [slice_block(x, s, mesh) if s.axes else x for x, s in zip(metas, specs)]
+    plan = _register_plan(step, treedef, blocks, specs)
+    tp.check_nested_chunks(plan, metas, specs, mesh, cfg.shard_axes)
+    index = mesh.group(cfg.shard_axes).index
+    shards = []
+    with torch.no_grad():
+        for layout, param, path, spec in zip(plan.leaves, params, paths, specs):
+            bounds = _tp_bounds(param.shape, spec, mesh)
+            if layout.sharded:  # this rank's dim-0 chunk of its tensor-parallel block
+                first = bounds[0][0]
+                start, stop = chunk_bounds(layout.rows, plan.k, index)
+                bounds[0] = (first + start, first + stop)
+            shards.append(sample(param, path, seed, bounds, device=mesh.device))
+    return _tree.unflatten(treedef, shards)
+
+
+def _tp_bounds(shape, spec, mesh) -> list[tuple[int, int]]:
+    """Per dim, the global `(start, stop)` of this rank's tensor-parallel block."""
+    out = [(0, n) for n in shape]
+    for dim, entry in enumerate(spec):
+        i, count = block_index(entry, mesh.coords, mesh.shape)
+        out[dim] = chunk_bounds(shape[dim], count, i)
+    return out
+
+
+def _register_plan(step, treedef, blocks, specs) -> Plan:
+    """The plan of these (meta) blocks, from or into the step's cache, as `shard_params` does."""
+    mesh, cfg = step.mesh, step.config
+    signature = (treedef, tuple((tuple(x.shape), x.dtype) for x in blocks))
+    with step._lock:
+        plan = step._by_signature.get(signature)
+        if plan is None:
+            tp_axes = tp.tp_axes(mesh, specs)
+            plan = build_plan(_tree.unflatten(treedef, blocks), mesh.axis_size(cfg.shard_axes), cfg.units,
+                              cfg.replicated, cfg.frozen, tp_axes=tp_axes, tp_specs=specs,
+                              reduce_axes=[tp.reduce_axes(s, tp_axes, mesh) for s in specs], allow_meta=True)
+            step._by_signature[signature] = plan
+        step._plans[(step._rank(), treedef)] = plan
+        step._last_plan = plan
+    return plan

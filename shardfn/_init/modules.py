@@ -1,0 +1,119 @@
+"""`from_module`: describe an nn.Module's parameters with PyTorch's default initializers."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from .. import _tree
+from .._functional import _walk
+from .._errors import ShardingError, bullet_list
+from .describe import Param
+from .initializers import Initializer, _Embedding, _fans, kaiming_uniform, ones, uniform, zeros
+
+__all__ = ["from_module", "torch_default"]
+
+
+def torch_default(module: torch.nn.Module, name: str) -> Initializer | None:
+    """PyTorch's default initializer of `module`'s parameter `name` (its `reset_parameters`),
+    or None for a module type this does not know.
+
+    nn.Linear and nn.Conv*: weight `kaiming_uniform(a=sqrt(5))`, bias uniform on
+    ±1/sqrt(fan_in); nn.Embedding: normal(0, 1) (padding row zero); nn.LayerNorm,
+    nn.GroupNorm, nn.RMSNorm, nn.BatchNorm*: weight ones, bias zeros.
+    """
+    nn = torch.nn
+    if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+        if name == "weight":
+            return kaiming_uniform(a=math.sqrt(5))
+        if name == "bias":
+            fan_in, _ = _fans(tuple(module.weight.shape), "torch_default")
+            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+            return uniform(-bound, bound)
+    if isinstance(module, nn.Embedding) and name == "weight":
+        return _Embedding(module.padding_idx)
+    norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, getattr(nn, "RMSNorm", nn.LayerNorm))
+    if isinstance(module, norms):
+        return {"weight": ones(), "bias": zeros()}.get(name)
+    return None
+
+
+def from_module(module: torch.nn.Module, overrides=None):
+    """A description of `module`'s parameters, in `sf.functional(module)`'s tree layout.
+
+    Build the module under `torch.device("meta")` (no memory); each parameter gets
+    PyTorch's default initializer of its module type (`torch_default`) unless `overrides`
+    gives one.
+
+    Args:
+      module: an nn.Module, typically on the meta device; only shapes and dtypes are read.
+      overrides: a function `(path, module, name) -> Initializer | None` (None: the
+        default), or a dict whose keys are module types (value: a dict parameter name ->
+        initializer) or dotted parameter names such as `"transformer.wte.weight"` (value:
+        an initializer). Dotted names win over types.
+
+    Returns:
+      A pytree of `sf.init.Param`, the same structure as `sf.functional(module)[1]`.
+
+    Raises:
+      ShardingError: listing every parameter of a module type without a known default and
+        no override.
+
+    Example:
+      >>> import shardfn as sf, torch
+      >>> with torch.device("meta"):
+      ...     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+      >>> desc = sf.init.from_module(net, {torch.nn.Linear: {"bias": sf.init.zeros()}})
+      >>> desc[0]["weight"].init, desc[1]["weight"].init
+      (sf.init.kaiming_uniform(a=2.23606797749979, mode='fan_in', nonlinearity='leaky_relu'), sf.init.ones())
+      >>> sf.init.materialize(desc, seed=0)[0]["bias"].tolist()
+      [0.0, 0.0, 0.0, 0.0]
+    """
+    leaves: list[tuple[tuple, str]] = []
+    tree = _walk(module, (), "", set(), leaves, {})
+    dotted_of = dict(leaves)
+    paths, tensors, treedef = _tree.flatten_with_paths(tree)
+    choose = _override_fn(overrides)
+    out, problems = [], []
+    for path, tensor in zip(paths, tensors):
+        dotted = dotted_of[path]
+        owner_name, _, name = dotted.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        init = choose(path, owner, name, dotted)
+        if init is None:
+            init = torch_default(owner, name)
+        if init is None:
+            problems.append(
+                f"params{_tree.keystr(path)} ({dotted}, shape {tuple(tensor.shape)}) belongs to a "
+                f"{type(owner).__name__}, whose default initializer sf.init does not know; fix: pass "
+                f"overrides={{{type(owner).__name__}: {{{name!r}: sf.init.normal(std=0.02)}}}} or "
+                f"{{{dotted!r}: ...}}"
+            )
+            continue
+        out.append(Param(tuple(tensor.shape), init, tensor.dtype))
+    if problems:
+        raise ShardingError("sf.init.from_module: no initializer for:\n" + bullet_list(problems))
+    return _tree.unflatten(treedef, out)
+
+
+def _override_fn(overrides) -> Callable:
+    if overrides is None:
+        return lambda path, owner, name, dotted: None
+    if callable(overrides) and not isinstance(overrides, dict):
+        return lambda path, owner, name, dotted: overrides(path, owner, name)
+    if not isinstance(overrides, dict):
+        raise ShardingError(
+            f"sf.init.from_module: overrides must be a dict or a function, got {type(overrides).__name__}"
+        )
+
+    def choose(path, owner, name, dotted):
+        if dotted in overrides:
+            return overrides[dotted]
+        for key, value in overrides.items():
+            if isinstance(key, type) and isinstance(owner, key):
+                return value.get(name) if isinstance(value, dict) else value
+        return None
+
+    return choose
