@@ -16,11 +16,8 @@ import torch
 
 from .. import _tree
 from .._agree import check_same_everywhere
-from .._blocks import slice_block
 from .._spec import block_index, chunk_bounds
 from .._init.describe import _check_seed, describe, sample
-from . import tp
-from .plan import Plan, build_plan
 
 __all__ = ["init_shards"]
 
@@ -37,15 +34,11 @@ def init_shards(step, init_fn, seed: int):
         mesh.group(mesh.axis_names), lines, "parameter descriptions (or seeds) to init_shards",
         "call step.init_shards with the same description and the same seed on every rank.",
     )
-    meta_tree = _tree.unflatten(treedef, metas)
-    specs = tp.tp_specs(cfg.param_specs, meta_tree, paths, metas, mesh, cfg.data_axes, cfg.shard_axes)
-    blocks = [slice_block(x, s, mesh) if s.axes else x for x, s in zip(metas, specs)]
-    plan = _register_plan(step, treedef, blocks, specs)
-    tp.check_nested_chunks(plan, metas, specs, mesh, cfg.shard_axes)
+    plan, _ = step._lay_out(_tree.unflatten(treedef, metas), paths, metas, treedef, allow_meta=True)
     index = mesh.group(cfg.shard_axes).index
     shards = []
     with torch.no_grad():
-        for layout, param, path, spec in zip(plan.leaves, params, paths, specs):
+        for layout, param, path, spec in zip(plan.leaves, params, paths, plan.tp_specs):
             bounds = _tp_bounds(param.shape, spec, mesh)
             if layout.sharded:  # this rank's dim-0 chunk of its tensor-parallel block
                 first = bounds[0][0]
@@ -62,20 +55,3 @@ def _tp_bounds(shape, spec, mesh) -> list[tuple[int, int]]:
         i, count = block_index(entry, mesh.coords, mesh.shape)
         out[dim] = chunk_bounds(shape[dim], count, i)
     return out
-
-
-def _register_plan(step, treedef, blocks, specs) -> Plan:
-    """The plan of these (meta) blocks, from or into the step's cache, as `shard_params` does."""
-    mesh, cfg = step.mesh, step.config
-    signature = (treedef, tuple((tuple(x.shape), x.dtype) for x in blocks))
-    with step._lock:
-        plan = step._by_signature.get(signature)
-        if plan is None:
-            tp_axes = tp.tp_axes(mesh, specs)
-            plan = build_plan(_tree.unflatten(treedef, blocks), mesh.axis_size(cfg.shard_axes), cfg.units,
-                              cfg.replicated, cfg.frozen, tp_axes=tp_axes, tp_specs=specs,
-                              reduce_axes=[tp.reduce_axes(s, tp_axes, mesh) for s in specs], allow_meta=True)
-            step._by_signature[signature] = plan
-        step._plans[(step._rank(), treedef)] = plan
-        step._last_plan = plan
-    return plan

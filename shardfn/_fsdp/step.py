@@ -55,24 +55,9 @@ class Shard:
         rank passed the same structure, shapes and dtypes.
         """
         mesh = self.mesh
-        cfg = self.config
         paths, leaves, treedef = _tree.flatten_with_paths(params)
         self._check_same_everywhere(paths, leaves)
-        tp_specs = tp.tp_specs(cfg.param_specs, params, paths, leaves, mesh, cfg.data_axes, cfg.shard_axes)
-        # With tensor parallelism the shard group splits this rank's tensor-parallel block.
-        blocks = [slice_block(x, s, mesh) if s.axes else x for x, s in zip(leaves, tp_specs)]
-        signature = (treedef, tuple((tuple(getattr(x, 'shape', ())), getattr(x, 'dtype', type(x))) for x in blocks))
-        with self._lock:  # rank threads share one plan per signature (and so its RankStates)
-            plan = self._by_signature.get(signature)
-            if plan is None:
-                tp_axes = tp.tp_axes(mesh, tp_specs)
-                plan = build_plan(_tree.unflatten(treedef, blocks), mesh.axis_size(cfg.shard_axes), cfg.units,
-                                  cfg.replicated, cfg.frozen, tp_axes=tp_axes, tp_specs=tp_specs,
-                                  reduce_axes=[tp.reduce_axes(s, tp_axes, mesh) for s in tp_specs])
-                self._by_signature[signature] = plan
-            self._plans[(self._rank(), treedef)] = plan
-            self._last_plan = plan
-        tp.check_nested_chunks(plan, leaves, tp_specs, mesh, cfg.shard_axes)
+        plan, blocks = self._lay_out(params, paths, leaves, treedef)
         index = mesh.group(self.config.shard_axes).index
         shards = []
         for layout, leaf in zip(plan.leaves, blocks):
@@ -117,6 +102,29 @@ class Shard:
         from .init import init_shards
 
         return init_shards(self, init_fn, seed)
+
+    def _lay_out(self, params, paths, leaves, treedef, *, allow_meta: bool = False):
+        """`(plan, blocks)` for these leaves: their tensor-parallel specs resolved and
+        checked, the blocks the shard group splits (with tensor parallelism this rank's
+        tensor-parallel block of each leaf), and their plan, from or into the step's cache
+        (rank threads share one plan per signature, and so its RankStates)."""
+        mesh, cfg = self.mesh, self.config
+        tp_specs = tp.tp_specs(cfg.param_specs, params, paths, leaves, mesh, cfg.data_axes, cfg.shard_axes)
+        blocks = [slice_block(x, s, mesh) if s.axes else x for x, s in zip(leaves, tp_specs)]
+        signature = (treedef, tuple((tuple(getattr(x, 'shape', ())), getattr(x, 'dtype', type(x))) for x in blocks))
+        with self._lock:
+            plan = self._by_signature.get(signature)
+            if plan is None:
+                tp_axes = tp.tp_axes(mesh, tp_specs)
+                plan = build_plan(_tree.unflatten(treedef, blocks), mesh.axis_size(cfg.shard_axes), cfg.units,
+                                  cfg.replicated, cfg.frozen, tp_axes=tp_axes, tp_specs=tp_specs,
+                                  reduce_axes=[tp.reduce_axes(s, tp_axes, mesh) for s in tp_specs],
+                                  allow_meta=allow_meta)
+                self._by_signature[signature] = plan
+            self._plans[(self._rank(), treedef)] = plan
+            self._last_plan = plan
+        tp.check_nested_chunks(plan, leaves, tp_specs, mesh, cfg.shard_axes)
+        return plan, blocks
 
     def _rank(self) -> int:
         return self.mesh.rank if self.mesh.in_rank() else -1
