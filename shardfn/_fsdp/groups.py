@@ -20,7 +20,6 @@ class Groups:
     shard: object  # Group over the shard axes
     data: object  # Group over the data axes (the loss mean)
     all: object  # Group over every mesh axis (check_finite)
-    replica: object | None  # HSDP: the data axes that are not shard axes (None if size 1)
     hpz: object | None  # [Note: hpZ] the backward re-gather's sub-group
     hpz_keep: torch.Tensor | None  # shard-group rows kept after the forward
     hpz_order: torch.Tensor | None  # re-gathered row -> shard-group row
@@ -39,10 +38,8 @@ class Groups:
             hpz = mesh.group(config.reshard_axes)
             rows, positions = hpz_rows(mesh, config.shard_axes, config.reshard_axes)
             keep, order = torch.tensor(rows, device=mesh.device), torch.tensor(positions, device=mesh.device)
-        replica_axes = tuple(a for a in config.data_axes if a not in config.shard_axes)
-        replica = mesh.group(replica_axes) if replica_axes and mesh.axis_size(replica_axes) > 1 else None
         mp = config.mixed_precision
         return cls(mesh, mesh.device, mesh.group(config.shard_axes), mesh.group(config.data_axes),
-                   mesh.group(mesh.axis_names), replica, hpz, keep, order,
+                   mesh.group(mesh.axis_names), hpz, keep, order,
                    mesh.axis_size(plan.tp_axes) if plan.tp_axes else 1,
                    mp.param_dtype if mp is not None else None, mp.reduce_dtype if mp is not None else None)

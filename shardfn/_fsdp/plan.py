@@ -55,6 +55,7 @@ class LeafLayout:
     chunk: int = 0  # c: rows per block (torch.chunk)
     offset: int = 0  # where this leaf's padded chunk starts in the shard buffer
     reduce_axes: tuple[str, ...] = ()  # non-data axes the leaf is replicated over: its gradient is psummed
+    replica_axes: tuple[str, ...] = ()  # data axes, not shard axes, it is replicated over (HSDP): psummed too
 
     @property
     def chunk_numel(self) -> int:
@@ -81,6 +82,8 @@ class UnitPlan:
     # (axes, start, stop): shard-buffer ranges whose reduced gradient is also psummed over
     # those non-data axes ([Note: FSDP x TP] in tp.py)
     regions: tuple[tuple[tuple[str, ...], int, int], ...] = ()
+    # the same over the data axes that are not shard axes (HSDP's replicas; [Note: expert parallelism])
+    replica_regions: tuple[tuple[tuple[str, ...], int, int], ...] = ()
 
     @property
     def is_root(self) -> bool:
@@ -132,12 +135,14 @@ def _describe_leaf(path, leaf) -> str:
 def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None,
                frozen: Callable[[tuple], bool] | None = None, *,
                tp_axes: tuple[str, ...] = (), tp_specs: list[PartitionSpec] | None = None,
-               reduce_axes: list[tuple[str, ...]] | None = None, allow_meta: bool = False) -> Plan:
+               reduce_axes: list[tuple[str, ...]] | None = None,
+               replica_axes: list[tuple[str, ...]] | None = None, allow_meta: bool = False) -> Plan:
     """Lay out `params` over a shard group of size k.
 
     `params` are the blocks that the shard group splits: the full leaves, or with
     tensor parallelism this rank's tensor-parallel blocks (`tp_specs[i]` is leaf i's spec
-    over `tp_axes`). `reduce_axes[i]` names the non-data axes leaf i is replicated over
+    over `tp_axes`). `replica_axes[i]` names the data axes that are not shard axes leaf i
+    is replicated over, `reduce_axes[i]` the non-data axes leaf i is replicated over
     (its gradient is psummed over them); within a unit, leaves are ordered by it so that
     each set of axes is one contiguous range of the shard buffer (`UnitPlan.regions`).
     `allow_meta` accepts meta tensors (`init_shards` lays out a description, no data).
@@ -182,20 +187,23 @@ def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None
     layouts: list[LeafLayout | None] = [None] * len(leaves)
     unit_plans = []
     reduce_axes = reduce_axes or [()] * len(leaves)
+    replica_axes = replica_axes or [()] * len(leaves)
     for position, (key, idx) in enumerate(keys.items()):
         sharded, repl, offset, dtypes = [], [], 0, set()
-        for i, path, leaf in sorted(members[idx], key=lambda m: reduce_axes[m[0]]):  # stable
-            axes = reduce_axes[i]
+        # stable sort: each set of axes summed over after the reduce-scatter is one range
+        for i, path, leaf in sorted(members[idx], key=lambda m: (replica_axes[m[0]], reduce_axes[m[0]])):
+            axes, replicas = reduce_axes[i], replica_axes[i]
             is_float = leaf.is_floating_point() or leaf.is_complex()
             keep_whole = leaf.dim() == 0 or not is_float or (replicated is not None and replicated(path))
             if keep_whole:
-                layout = LeafLayout(i, path, tuple(leaf.shape), leaf.dtype, sharded=False, reduce_axes=axes)
+                layout = LeafLayout(i, path, tuple(leaf.shape), leaf.dtype, sharded=False, reduce_axes=axes,
+                                    replica_axes=replicas)
                 repl.append(layout)
             else:
                 n = leaf.shape[0]
                 c = math.ceil(n / k) if n else 0
                 row = math.prod(leaf.shape[1:])
-                layout = LeafLayout(i, path, tuple(leaf.shape), leaf.dtype, True, n, row, c, offset, axes)
+                layout = LeafLayout(i, path, tuple(leaf.shape), leaf.dtype, True, n, row, c, offset, axes, replicas)
                 offset += c * row
                 sharded.append(layout)
                 dtypes.add(leaf.dtype)
@@ -209,23 +217,25 @@ def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None
             )
         unit_plans.append(
             UnitPlan(key, position, tuple(sharded), tuple(repl), k, offset, next(iter(dtypes), None),
-                     isinstance(key, FrozenKey), _regions(sharded))
+                     isinstance(key, FrozenKey), _regions(sharded, "reduce_axes"), _regions(sharded, "replica_axes"))
         )
     tp_specs = tuple(tp_specs) if tp_specs is not None else (PartitionSpec(),) * len(leaves)
     return Plan(treedef, tuple(layouts), tuple(unit_plans), tuple(unit_of), k, tuple(tp_axes), tp_specs)
 
 
-def _regions(sharded: list[LeafLayout]) -> tuple[tuple[tuple[str, ...], int, int], ...]:
-    """Contiguous shard-buffer ranges of the leaves with the same (non-empty) reduce axes."""
+def _regions(sharded: list[LeafLayout], field: str) -> tuple[tuple[tuple[str, ...], int, int], ...]:
+    """Contiguous shard-buffer ranges of the leaves with the same (non-empty) axes `field`;
+    ranges of neighbouring leaves with the same axes merge (padding included)."""
     out: list[tuple[tuple[str, ...], int, int]] = []
     for layout in sharded:
-        if not layout.reduce_axes:
+        axes = getattr(layout, field)
+        if not axes:
             continue
         stop = layout.offset + layout.chunk_numel
-        if out and out[-1][0] == layout.reduce_axes:
-            out[-1] = (layout.reduce_axes, out[-1][1], stop)
+        if out and out[-1][0] == axes and out[-1][2] == layout.offset:
+            out[-1] = (axes, out[-1][1], stop)
         else:
-            out.append((layout.reduce_axes, layout.offset, stop))
+            out.append((axes, layout.offset, stop))
     return tuple(out)
 
 

@@ -57,14 +57,12 @@ def reduce_scatter(packed: torch.Tensor, group, stats: Stats, out: torch.Tensor 
     return ops.reduce_scatter_async(group, packed, out=out)
 
 
-def finish_reduce(flat: torch.Tensor, *, replica_group, regions, mesh, stats: Stats) -> None:
+def finish_reduce(flat: torch.Tensor, *, replica_regions, regions, mesh, stats: Stats) -> None:
     """After the reduce-scatter, in place on the `(*lead, S)` shard gradient: the sum over
-    the other data axes (HSDP replicas, `replica_group`), then over the tensor-parallel
-    axes for the shard-buffer `regions` of the leaves they replicate ([Note: FSDP x TP])."""
-    if replica_group is not None:
-        stats.collective("all_reduce", _nbytes(flat))
-        flat.copy_(ops.all_reduce(replica_group, flat))
-    for axes, start, stop in regions:
+    the other data axes (HSDP replicas) for the shard-buffer `replica_regions` of the leaves
+    replicated there ([Note: expert parallelism]), then over the tensor-parallel axes for
+    the `regions` of the leaves they replicate ([Note: FSDP x TP])."""
+    for axes, start, stop in replica_regions + regions:
         region = flat.narrow(-1, start, stop - start)
         stats.collective("all_reduce", _nbytes(region))
         region.copy_(ops.all_reduce(mesh.group(axes), region))
@@ -85,11 +83,11 @@ def zero_shard_grads(plan: UnitPlan, index: int, device, lead: tuple[int, ...] =
     return out
 
 
-def all_reduce_replicated(layouts: tuple[LeafLayout, ...], grads: list, *, data_axes: tuple[str, ...], mesh,
+def all_reduce_replicated(layouts: tuple[LeafLayout, ...], grads: list, *, shard_axes: tuple[str, ...], mesh,
                           reduce_dtype: torch.dtype | None, device, lead: tuple[int, ...], stats: Stats) -> list:
-    """Gradients of whole leaves (None: zeros) summed over the data axes and the
-    tensor-parallel axes each leaf is replicated over: one flat all-reduce per set of
-    axes, in `reduce_dtype` (default: at least float32), cast back to each leaf's dtype."""
+    """Gradients of whole leaves (None: zeros) summed over the shard axes and the other
+    data and tensor-parallel axes each leaf is replicated over: one flat all-reduce per set
+    of axes, in `reduce_dtype` (default: at least float32), cast back to each leaf's dtype."""
     filled = [
         (g if g is not None else torch.zeros(lead + layout.shape, dtype=layout.dtype, device=device))
         for layout, g in zip(layouts, grads)
@@ -97,7 +95,7 @@ def all_reduce_replicated(layouts: tuple[LeafLayout, ...], grads: list, *, data_
     by_axes: dict[tuple[str, ...], list[int]] = {}
     for i, layout in enumerate(layouts):
         if layout.dtype.is_floating_point:
-            by_axes.setdefault(data_axes + layout.reduce_axes, []).append(i)
+            by_axes.setdefault(shard_axes + layout.replica_axes + layout.reduce_axes, []).append(i)
     for axes, floats in by_axes.items():
         group = mesh.group(axes)
         if group.size == 1:

@@ -386,7 +386,7 @@ class RankState:
             packed = pack_grads(plan, sharded_grads, reduce_dtype, g.device, lead)  # (k, *lead, S)
             if unit.acc is not None:
                 packed, unit.acc = packed + unit.acc, None
-            finish = dict(replica_group=g.replica, regions=plan.regions, mesh=self.mesh, stats=self.stats)
+            finish = dict(replica_regions=plan.replica_regions, regions=plan.regions, mesh=self.mesh, stats=self.stats)
             if self._can_defer(plan, reduce_dtype, lead):  # [Note: deferred reductions]
                 flat = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
                 self.deferred.append((reduce.reduce_scatter(packed, g.shard, self.stats, out=flat), flat, finish))
@@ -402,7 +402,7 @@ class RankState:
                 whole_grads = [_add(a, b) for a, b in zip(whole_grads, unit.acc_replicated)]
                 unit.acc_replicated = None
             out.extend(reduce.all_reduce_replicated(
-                plan.replicated, whole_grads, data_axes=cfg.data_axes, mesh=self.mesh,
+                plan.replicated, whole_grads, shard_axes=cfg.shard_axes, mesh=self.mesh,
                 reduce_dtype=g.reduce_dtype, device=g.device, lead=lead, stats=self.stats))
         return out
 

@@ -115,10 +115,12 @@ class Shard:
         with self._lock:
             plan = self._by_signature.get(signature)
             if plan is None:
-                tp_axes = tp.tp_axes(mesh, tp_specs)
+                tp_axes = tp.tp_axes(mesh, tp_specs, cfg.data_axes)
                 plan = build_plan(_tree.unflatten(treedef, blocks), mesh.axis_size(cfg.shard_axes), cfg.units,
                                   cfg.replicated, cfg.frozen, tp_axes=tp_axes, tp_specs=tp_specs,
                                   reduce_axes=[tp.reduce_axes(s, tp_axes, mesh) for s in tp_specs],
+                                  replica_axes=[tp.replica_axes(s, cfg.data_axes, cfg.shard_axes, mesh)
+                                                for s in tp_specs],
                                   allow_meta=allow_meta)
                 self._by_signature[signature] = plan
             self._plans[(self._rank(), treedef)] = plan
@@ -388,7 +390,10 @@ def shard(
         e.g. `P(None, "model")` for a column-parallel `x @ w` weight. `loss_fn` then sees
         this rank's tensor-parallel blocks and may call collectives over those axes; the
         loss must be the same on all of their ranks (checked on the first call).
-        Gradients follow shard_map's transpose rule (docs/howto/fsdp-tp.md).
+        Gradients follow shard_map's transpose rule (docs/howto/fsdp-tp.md). A spec may
+        also name a data axis that is not a shard axis (expert parallelism: experts split
+        over `'expert'` with `data_axes=("data", "expert"), shard_axes="data"`; tokens
+        routed by collectives over `'expert'` inside `loss_fn`; docs/howto/experts.md).
 
     Returns:
       A `Shard` step: call it as `step(shards, batch, *rest)`; it has `shard_params`,

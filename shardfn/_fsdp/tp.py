@@ -17,7 +17,7 @@ from .. import _tree
 from .._errors import ShardingError, SpecError
 from .._spec import PartitionSpec, block_index, chunk_bounds, entry_axes, validate_spec
 
-__all__ = ["tp_specs", "tp_axes", "reduce_axes", "check_nested_chunks", "combined_spec", "collective_axes_check"]
+__all__ = ["tp_specs", "tp_axes", "replica_axes", "reduce_axes", "check_nested_chunks", "combined_spec", "collective_axes_check"]
 
 # [Note: FSDP x TP]
 # `shard` is shard_map over the whole mesh with the params sharded and
@@ -35,6 +35,16 @@ __all__ = ["tp_specs", "tp_axes", "reduce_axes", "check_nested_chunks", "combine
 # 'model' rank, summed by (2). Without tensor-parallel axes both are no-ops.
 # The runtime side: LossMean (autograd.py) and reduce.finish_reduce (reduce.py).
 
+# [Note: expert parallelism]
+# A spec may also name a data axis that is not a shard axis, e.g. experts stacked on dim 0
+# with P('expert') under data_axes=('data', 'expert'), shard_axes='data': every rank of
+# 'expert' reads its own batch and holds its own experts, and loss_fn routes tokens to
+# them with all_to_all over 'expert'. The same transpose rule covers it: the loss is the
+# mean over all data axes; an expert weight receives, through all_to_all's transpose, the
+# contributions of every token routed to it, so its gradient is summed over the shard axes
+# (the reduce-scatter) but not over 'expert' (it is split there, not replicated), while a
+# leaf replicated over 'expert' is summed over it as HSDP sums replicas (`replica_axes`).
+
 
 def tp_specs(given: Any, params, paths, leaves, mesh, data_axes, shard_axes) -> list[PartitionSpec]:
     """Per leaf, its spec over the tensor-parallel axes (`param_specs`; P() without it), checked."""
@@ -45,19 +55,20 @@ def tp_specs(given: Any, params, paths, leaves, mesh, data_axes, shard_axes) -> 
     else:
         specs = _tree.broadcast_prefix(given, params, what="param_specs",
                                        is_prefix_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
-    others = [a for a in mesh.axis_names if a not in data_axes]
+    others = [a for a in mesh.axis_names if a not in shard_axes]
     out = []
     for path, leaf, spec in zip(paths, leaves, specs):
         where = f"shard(param_specs) for params{_tree.keystr(path)}"
         spec = PartitionSpec() if spec is None else spec
         shape = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else ()
         validate_spec(spec, shape, mesh.shape, where)
-        clash = [a for a in spec.axes if a in data_axes]
+        clash = [a for a in spec.axes if a in shard_axes]
         if clash:
             raise SpecError(
-                f"{where}: the spec {spec!r} names data axes {clash}; param_specs lay parameters out over "
-                f"the other (tensor-parallel) axes {others}, and shard itself shards them over "
-                f"{list(shard_axes)}.\nFix: drop {clash} from the spec."
+                f"{where}: the spec {spec!r} names data axes {clash} that shard shards over (shard_axes "
+                f"{list(shard_axes)}); param_specs lay parameters out over the other axes {others} "
+                f"(tensor-parallel axes, or data axes that are not shard axes: expert parallelism).\nFix: "
+                f"drop {clash} from the spec."
             )
         if spec.axes and not isinstance(leaf, torch.Tensor):
             raise SpecError(f"{where}: a {type(leaf).__name__} cannot be split over {spec.axes}; give it P()")
@@ -65,9 +76,18 @@ def tp_specs(given: Any, params, paths, leaves, mesh, data_axes, shard_axes) -> 
     return out
 
 
-def tp_axes(mesh, specs: list[PartitionSpec]) -> tuple[str, ...]:
-    """The tensor-parallel axes: those some spec names, in mesh order."""
-    return tuple(a for a in mesh.axis_names if any(a in s.axes for s in specs))
+def tp_axes(mesh, specs: list[PartitionSpec], data_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The tensor-parallel axes: the non-data axes some spec names, in mesh order. (A data
+    axis a spec names splits that leaf over the ranks of the batch: [Note: expert parallelism].)"""
+    return tuple(a for a in mesh.axis_names if a not in data_axes and any(a in s.axes for s in specs))
+
+
+def replica_axes(spec: PartitionSpec, data_axes: tuple[str, ...], shard_axes: tuple[str, ...], mesh) -> tuple[str, ...]:
+    """Data axes (of size > 1) that are not shard axes and that the leaf is replicated over:
+    its gradient is summed over them after the reduce-scatter (HSDP's replicas), unless
+    its spec splits it over them ([Note: expert parallelism])."""
+    named = set(spec.axes)
+    return tuple(a for a in data_axes if a not in shard_axes and a not in named and mesh.shape[a] > 1)
 
 
 def reduce_axes(spec: PartitionSpec, tp: tuple[str, ...], mesh) -> tuple[str, ...]:
