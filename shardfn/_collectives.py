@@ -51,36 +51,38 @@ class binding:
     """Bind `mesh` for the collectives called in this thread (used by shard_map / shard).
 
     `check(op, axes)`, when given, vets the axes of every communicating collective (shard
-    refuses axes it would not reduce gradients over)."""
+    refuses axes it would not reduce gradients over). `manual`: the axes the code inside
+    is manual over (collectives may name only those); None: every axis of the mesh."""
 
-    def __init__(self, mesh, check: Callable[[str, tuple[str, ...]], None] | None = None):
+    def __init__(self, mesh, check: Callable[[str, tuple[str, ...]], None] | None = None,
+                 manual: tuple[str, ...] | None = None):
         self.mesh = mesh
         self.check = check
+        self.manual = tuple(mesh.axis_names) if manual is None else tuple(a for a in mesh.axis_names if a in manual)
 
     def __enter__(self):
         if getattr(_state, "stack", None) is None:
-            _state.stack, _state.checks = [], []
-        _state.stack.append(self.mesh)
-        _state.checks.append(self.check)
+            _state.stack = []
+        _state.stack.append(self)
         return self.mesh
 
     def __exit__(self, *exc):
         _state.stack.pop()
-        _state.checks.pop()
 
 
 def current_binding() -> binding | None:
-    """The innermost binding on this thread (mesh and axes check), to re-enter later (remat's
-    recompute runs in the backward, after the shard_map / shard call has returned)."""
+    """The innermost binding on this thread (mesh, axes check, manual axes), to re-enter
+    later (remat's recompute runs in the backward, after the shard_map / shard call has
+    returned) or to nest in (a shard_map inside another, or inside shard's loss_fn)."""
     stack = getattr(_state, "stack", None)
-    return binding(stack[-1], _state.checks[-1]) if stack else None
+    return stack[-1] if stack else None
 
 
 def bound_mesh(op: str | None = None, axis=None):
     """The mesh of the innermost shard_map / shard on this thread; error outside one."""
-    stack = getattr(_state, "stack", None)
-    if stack:
-        return stack[-1]
+    current = current_binding()
+    if current is not None:
+        return current.mesh
     if op is None:
         return None
     raise ShardingError(
@@ -90,13 +92,25 @@ def bound_mesh(op: str | None = None, axis=None):
     )
 
 
-def _group(op: str, axis) -> Group:
+def _axes(op: str, axis) -> tuple[str, ...]:
+    """The axes `axis` names, all manual in the innermost binding (checked)."""
+    current = current_binding()
     mesh = bound_mesh(op, axis)
     axes = mesh.axes(axis, where=f"{op}(axis={axis!r})")
-    check = _state.checks[-1]
-    if check is not None and op != "axis_index":
-        check(op, axes)
-    return mesh.group(axes)
+    if current.check is not None and op not in ("axis_index", "axis_size"):
+        current.check(op, axes)
+    stray = [a for a in axes if a not in current.manual]
+    if stray:
+        raise SpecError(
+            f"{op}(axis={axis!r}): {stray} are not manual here; this shard_map is manual over "
+            f"{list(current.manual)} only (its axis_names), and a collective may name only those.\nFix: "
+            f"add {stray} to axis_names, or call {op} in the enclosing code that is manual over them."
+        )
+    return axes
+
+
+def _group(op: str, axis) -> Group:
+    return bound_mesh(op, axis).group(_axes(op, axis))
 
 
 def _front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
@@ -445,5 +459,4 @@ def axis_index(axis) -> int:
 
 def axis_size(axis) -> int:
     """The number of ranks along `axis` (product over a tuple)."""
-    mesh = bound_mesh("axis_size", axis)
-    return mesh.axis_size(mesh.axes(axis, where=f"axis_size(axis={axis!r})"))
+    return bound_mesh("axis_size", axis).axis_size(_axes("axis_size", axis))

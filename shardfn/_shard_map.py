@@ -24,7 +24,7 @@ from . import _tree
 from ._backend import ops
 from ._agree import check_same_everywhere
 from ._blocks import check_tensor, checked_spec, gather_blocks, slice_block
-from ._collectives import binding, bound_mesh
+from ._collectives import binding, current_binding
 from ._errors import ShardingError, SpecError
 from ._global import global_call
 from ._spec import PartitionSpec, as_spec, is_spec, validate_spec
@@ -252,9 +252,54 @@ def _verify_replicated(group, where: list[str], xs) -> None:
 # -- shard_map -------------------------------------------------------------------------
 
 
-def _omitted(mesh, spec: PartitionSpec) -> tuple[str, ...]:
+def _omitted(manual: tuple[str, ...], spec: PartitionSpec) -> tuple[str, ...]:
+    """The manual axes a spec does not name: the value is replicated over them."""
     used = set(spec.axes)
-    return tuple(a for a in mesh.axis_names if a not in used)
+    return tuple(a for a in manual if a not in used)
+
+
+class _Context:
+    """Where a shard_map runs: its manual axes, and those it must split itself.
+
+    [Note: partial-manual shard_map] `axis_names` makes a shard_map manual over those axes
+    only; over the others the code inside is "auto", as the code around it was. Rank code
+    outside any shard_map / shard is manual over every axis (it holds local blocks), so a
+    shard_map called there takes blocks as they are. Inside another shard_map or a shard
+    step, the values are whole over the axes that are auto there: a nested shard_map over
+    such axes slices its inputs by its in_specs (sf.scatter: backward = gather) and gathers
+    its outputs by its out_specs (sf.gather: backward = this rank's block), and its body is
+    manual over the outer manual axes plus its own. The transpose rule's two boundary halves
+    apply over this shard_map's own axes only. JAX's shard_map has the same semantics."""
+
+    def __init__(self, mesh, axis_names, name):
+        outer = current_binding()
+        self.axes = tuple(mesh.axis_names) if axis_names is None else mesh.axes(
+            tuple(axis_names), where=f"{name}(axis_names=...)")
+        if outer is None:
+            self.split, self.manual = (), self.axes
+            return
+        if outer.mesh is not mesh:
+            raise ShardingError(f"{name}: nested inside a shard_map / shard over another mesh; nest shard_maps "
+                                f"over one mesh")
+        already = [a for a in self.axes if a in outer.manual]
+        if already:
+            raise SpecError(
+                f"{name}: axis_names {list(self.axes)} include {already}, which the enclosing shard_map / shard "
+                f"is already manual over (its manual axes: {list(outer.manual)}).\nFix: nest a shard_map over "
+                f"the other axes (axis_names={[a for a in mesh.axis_names if a not in outer.manual]}), or call "
+                f"the collectives directly."
+            )
+        self.split = self.axes  # whole over these outside: split them here
+        self.manual = tuple(a for a in mesh.axis_names if a in outer.manual or a in self.axes)
+
+    def check_spec(self, spec: PartitionSpec, where: str) -> None:
+        stray = [a for a in spec.axes if a not in self.axes]
+        if stray:
+            raise SpecError(
+                f"{where}: the spec {spec!r} names {stray}, which are not in this shard_map's axis_names "
+                f"{list(self.axes)}; specs may name only the axes the shard_map is manual over.\nFix: add "
+                f"{stray} to axis_names, or drop them from the spec."
+            )
 
 
 def _agree_on_structure(mesh, paths, leaves, treedef, agreed: set, name: str) -> None:
@@ -270,7 +315,8 @@ def _agree_on_structure(mesh, paths, leaves, treedef, agreed: set, name: str) ->
     agreed.add(key)
 
 
-def _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed=None):
+def _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed=None, axis_names=None):
+    ctx = _Context(mesh, axis_names, name)
     paths, leaves, treedef = _tree.flatten_with_paths(args)
     if agreed is not None:
         _agree_on_structure(mesh, paths, leaves, treedef, agreed, name)
@@ -279,10 +325,13 @@ def _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed=None):
     for path, leaf, spec in zip(paths, leaves, specs):
         where = f"{name}: in_specs for argument {_tree.keystr(path)}"
         spec = as_spec(spec, where)
+        ctx.check_spec(spec, where)
         if isinstance(leaf, torch.Tensor):
             check_tensor(leaf, mesh, f"{name}: argument {_tree.keystr(path)}")
             validate_spec(spec, tuple(leaf.shape), mesh.shape, where)
-            omitted = _omitted(mesh, spec)
+            if ctx.split and spec.axes:  # whole outside: this rank's block ([Note: partial-manual shard_map])
+                leaf = _Scatter.apply(leaf, mesh, spec)
+            omitted = _omitted(ctx.axes, spec)
             if omitted and (leaf.is_floating_point() or leaf.is_complex()):
                 leaf = _InputBoundary.apply(leaf, mesh.group(omitted))
         elif spec.axes:
@@ -291,25 +340,29 @@ def _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed=None):
                 f"in spec {spec!r} shards it over {spec.axes}.\nFix: give non-tensor arguments P() or None."
             )
         bound.append(leaf)
-    with binding(mesh):
+    with binding(mesh, manual=ctx.manual):
         out = f(*_tree.unflatten(treedef, bound))
-    return _finish_outputs(mesh, out, out_specs, check, name)
+    return _finish_outputs(mesh, out, out_specs, check, name, ctx)
 
 
-def _finish_outputs(mesh, out, out_specs, check, name):
+def _finish_outputs(mesh, out, out_specs, check, name, ctx: _Context):
     paths, leaves, treedef = _tree.flatten_with_paths(out)
     specs = _tree.broadcast_prefix(out_specs, out, what="out_specs", is_prefix_leaf=is_spec)
     by_group: dict[tuple[str, ...], list[int]] = {}
+    split: dict[int, PartitionSpec] = {}
     for i, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
         where = f"{name}: out_specs for output {_tree.keystr(path)}"
         spec = as_spec(spec, where)
+        ctx.check_spec(spec, where)
         if not isinstance(leaf, torch.Tensor):
             continue
         check_tensor(leaf, mesh, f"{name}: output {_tree.keystr(path)}")
         validate_spec(spec, tuple(leaf.shape), mesh.shape, where)
-        omitted = _omitted(mesh, spec)
+        omitted = _omitted(ctx.axes, spec)
         if omitted:
             by_group.setdefault(omitted, []).append(i)
+        if ctx.split and spec.axes:
+            split[i] = spec
     leaves = list(leaves)
     for omitted, idx in by_group.items():
         group = mesh.group(omitted)
@@ -321,10 +374,12 @@ def _finish_outputs(mesh, out, out_specs, check, name):
         for i in idx:
             if leaves[i].is_floating_point() or leaves[i].is_complex():
                 leaves[i] = _OutputBoundary.apply(leaves[i], group.size)
+    for i, spec in split.items():  # back to whole over the axes that are auto outside
+        leaves[i] = _Gather.apply(leaves[i], mesh, spec)
     return _tree.unflatten(treedef, leaves)
 
 
-def shard_map(f: Callable, mesh, in_specs, out_specs, *, check: bool = True) -> Callable:
+def shard_map(f: Callable, mesh, in_specs, out_specs, *, check: bool = True, axis_names=None) -> Callable:
     """Map `f` over local blocks: inside, every tensor is this rank's block.
 
     Args:
@@ -336,6 +391,11 @@ def shard_map(f: Callable, mesh, in_specs, out_specs, *, check: bool = True) -> 
         output is the same on every rank along it.
       check: verify that promise in the forward (one small all-reduce per call; see
         [Note: the replication check]).
+      axis_names: the axes `f` is manual over (default: all). Over the others the code
+        inside stays as the code around it: specs and collectives may name only these
+        axes. Nested in another shard_map or in `sf.shard`'s `loss_fn` (over axes that are
+        auto there), the shard_map splits its inputs and gathers its outputs over them
+        itself ([Note: partial-manual shard_map]).
 
     Returns:
       A function of the same arguments. Called on a rank (inside `mesh.run`, under
@@ -354,12 +414,10 @@ def shard_map(f: Callable, mesh, in_specs, out_specs, *, check: bool = True) -> 
     agreed: set = set()  # (rank, structure) pairs already checked across ranks
 
     def mapped(*args):
-        if bound_mesh() is not None:
-            raise ShardingError(f"{name}: nested shard_map / shard is not supported; call collectives directly instead")
         if mesh.kind == "simulated" and not mesh.in_rank():
-            return global_call(lambda *a: _local_call(f, mesh, in_specs, out_specs, check, a, name),
+            return global_call(lambda *a: _local_call(f, mesh, in_specs, out_specs, check, a, name, axis_names=axis_names),
                                mesh, in_specs, out_specs, args, name)
-        return _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed if check else None)
+        return _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed if check else None, axis_names)
 
     mapped.__wrapped__ = f
     return mapped

@@ -319,7 +319,8 @@ class Shard:
         state.begin_step(leaves)
         view = make_view(treedef, len(leaves), state.leaf)
         try:
-            with binding(mesh, tp.collective_axes_check(self.config.data_axes, plan.tp_axes)):
+            manual = self.config.data_axes + plan.tp_axes  # the other axes are auto in loss_fn
+            with binding(mesh, tp.collective_axes_check(self.config.data_axes, plan.tp_axes), manual):
                 out = self.loss_fn(view, batch, *rest)
         finally:
             state.end_forward()
