@@ -25,7 +25,6 @@ target map, so that experts can specialize on clusters. Three ways to run it:
 
     python examples/moe.py                     # experts over {'expert': 4}, via sf.shard_map
     python examples/moe.py --mode shard        # sf.shard on {'data': 2, 'expert': 2}, experts via param_specs
-                                               # (needs param_specs over a data axis: not in shard yet)
     python examples/moe.py --mode replicated   # sf.shard, no param_specs: every rank runs all experts
     python examples/moe.py --tiny              # a smoke test in a few seconds
 

@@ -69,7 +69,6 @@ def test_moe_tiny_matches_single_device_and_learns(mode):
     assert out.rstrip().endswith("OK")
 
 
-@pytest.mark.xfail(strict=True, reason="needs param_specs over a data axis (expert parallelism)")
 def test_moe_tiny_expert_parallel_in_shard():
     out = run_example("moe.py", "--tiny", "--mode", "shard")
     assert number_after("max |grad diff| vs single device:", out) < 1e-10

@@ -201,7 +201,6 @@ def test_model_in_shard_replicated_experts_matches_single_device(shape, mode):
         assert max_diff(grads, want) <= TOL
 
 
-@pytest.mark.xfail(strict=True, raises=sf.SpecError, reason="needs param_specs over a data axis (expert parallelism)")
 @pytest.mark.parametrize("shape", MESHES[:2], ids=mesh_id)
 @pytest.mark.parametrize("mode", ["func", "backward"])
 def test_model_in_shard_expert_parallel_matches_single_device(shape, mode):
