@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from torch.nn import functional as F
 
 import shardfn as sf
 from shardfn import _tree
@@ -52,7 +53,16 @@ def _gpt(seed, n_layer=2):
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=n_layer, n_head=2, n_embd=8)
     apply_fn, params = sf.functional(GPT(cfg).to(D))
-    return (lambda p, b: apply_fn(p, *b)), params
+
+    def loss_fn(p, batch):
+        # Not GPT.forward's loss: it casts the logits to float32, and an fp32 loss averaged
+        # over N ranks scales every gradient by an fp32-rounded 1/N (3e-8 relative at N=3)
+        # where DDP divides fp64 gradients; both right to fp32, not to TOL.
+        idx, targets = batch
+        logits = apply_fn(p, idx)  # (B, T, vocab), float64
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return loss_fn, params
 
 
 def _batches(model, params, seed, rows, steps):
