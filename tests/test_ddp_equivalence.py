@@ -238,7 +238,7 @@ def test_2d_meshes_equal_ddp_over_all_ranks_property(c):
 def test_reshard_int_on_two_shard_axes_equals_ddp():
     """The int form needs a 2-D shard mesh; pin the one case hypothesis may not draw."""
     loss_fn, params = _gpt(7, n_layer=2)
-    batches = _batches("gpt", params, 7, 6, 2)
+    batches = _batches("gpt", params, 7, 7, 2)  # 7 rows over 4 ranks: 2, 2, 2, 1
     assert_ddp_equivalent(loss_fn, params, batches, world_sizes=({"outer": 2, "inner": 2},), steps=2, ddp=True,
                           atol=TOL, data_axes=("outer", "inner"), reshard_after_forward=2, prefetch=2)
 
