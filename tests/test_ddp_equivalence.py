@@ -393,6 +393,28 @@ def test_known_bug_two_replicated_leaves_in_a_unit():
                           atol=TOL, replicated=lambda path: path[1] == 0)  # layers[0]: 'w' and 'b'
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="shard averages the loss over ranks in the loss' dtype: gradients scale by a rounded 1/N")
+@pytest.mark.parametrize("loss_dtype", [torch.float32, torch.bfloat16])
+def test_known_bug_low_precision_loss_scales_gradients_by_rounded_one_over_n(loss_dtype):
+    """float64 params, a float32 (bf16) loss, N = 3: every gradient is 3 * (1/3 rounded to
+    the loss' dtype) = 1 + 3e-8 (1.00195, i.e. +0.2 %) times the data-parallel gradient,
+    which DDP gets by dividing the float64 gradients. N = 2 and 4 are exact. The loss' cast
+    back-propagates exactly here, so only the 1/N factor can differ."""
+    _, params = _mlp(0, [3, 4, 2])
+    (batch,) = _batches("mlp", params, 0, 6, 1)
+    ref = torch.func.grad(lambda p: sum(mlp_loss(p, local_batch(batch, r, 3)) for r in range(3)) / 3)(params)
+    mesh = sf.local_mesh({"data": 3})
+    step = sf.shard(lambda p, b: mlp_loss(p, b).to(loss_dtype), mesh)
+
+    def body():
+        return step.unshard_params(torch.func.grad(step)(step.shard_params(params), local_batch(batch, mesh.rank, 3)))
+
+    got = mesh.run(body)[0]
+    ratio = torch.cat([(a / b).flatten() for a, b in zip(_tree.flatten(got)[0], _tree.flatten(ref)[0])])
+    assert (ratio - 1).abs().max().item() < 1e-12, ratio.max().item()
+
+
 # -- mixed precision vs FSDP2 ---------------------------------------------------------------
 
 
