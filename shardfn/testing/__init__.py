@@ -9,6 +9,7 @@ from ._blocks import split_blocks as split_blocks
 from ._blocks import split_tree as split_tree
 from ._ddp import assert_ddp_equivalent as assert_ddp_equivalent
 from ._ddp import ddp_training as ddp_training
+from ._ddp import fsdp2_training as fsdp2_training
 from ._ddp import reference_training as reference_training
 from ._multiprocess import RankProcessError as RankProcessError
 from ._multiprocess import run_multiprocess as run_multiprocess
@@ -28,6 +29,7 @@ __all__ = [
     "RankProcessError",
     "assert_ddp_equivalent",
     "ddp_training",
+    "fsdp2_training",
     "reference_training",
     "run_multiprocess",
     "run_on_mesh",
