@@ -23,6 +23,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ._fsdp.view import together
+
 __all__ = ["functional"]
 
 
@@ -110,7 +112,8 @@ def functional(module: nn.Module, *, remat=None) -> tuple[Callable, dict]:
 
     def apply_fn(params, *args, **kwargs):
         m = thread_module()
-        bound = {name: _get(params, p) for p, name in root}
+        with together(held=True):  # bound for the whole forward (embeddings, a tied head)
+            bound = {name: _get(params, p) for p, name in root}
         previous = getattr(local, "params", None)
         local.params = params
         try:
@@ -141,7 +144,8 @@ def _bind_child(child: nn.Module, paths, local, remat=None) -> None:
     def forward(*args, **kwargs):
         if getattr(active, "on", False):
             return original(*args, **kwargs)
-        unit = {name: _get(local.params, p) for p, name in paths}
+        with together():  # one block's leaves may span units (frozen=, units=): fetched at once
+            unit = {name: _get(local.params, p) for p, name in paths}
         return run(unit, *args, **kwargs)
 
     child.forward = forward

@@ -106,22 +106,6 @@ def _contiguous(model, n):
     return lambda path: path[2] // n if path[:2] == ("transformer", "h") else "root"
 
 
-def _known_bug(c) -> bool:
-    """Regions where shard is known to be wrong today, each pinned by an xfail test below.
-
-    With reshard_after_forward (True or an int), a unit used again after another unit
-    ran in the forward (a random grouping) is freed too early: wrong gradients or
-    "storage of size 0" (test_known_bug_interleaved_units); and on an `sf.functional`
-    module model any explicit `units=` or `frozen=` (frozen leaves form units of their
-    own) fails in the backward (test_known_bug_units_or_frozen_on_module_model).
-    Delete this when they pass.
-    """
-    if c.get("reshard", True) is False:
-        return False
-    return c.get("units") == "random" or (c["model"] == "gpt" and (c.get("units", "default") != "default"
-                                                                   or c.get("frozen") is not None))
-
-
 def _build(c):
     """(loss_fn, params, batches, shard kwargs) of a drawn configuration `c`."""
     if c["model"] == "mlp":
@@ -139,9 +123,10 @@ def _build(c):
     if c.get("frozen") is not None:
         kwargs["frozen"] = _picker(c["salt"] + 1, c["frozen"])
         assume(not all(kwargs["frozen"](p) for p in _tree.flatten_with_paths(params)[0]))  # DDP: nothing to train
-    if c.get("replicated"):  # one leaf: two in one unit hit test_known_bug_two_replicated_leaves_in_a_unit
+    if c.get("replicated"):  # one or two leaves kept whole on every rank
         paths = _tree.flatten_with_paths(params)[0]
-        kwargs["replicated"] = paths[c["salt"] % len(paths)].__eq__
+        picked = {paths[c["salt"] % len(paths)], paths[(c["salt"] // 7) % len(paths)]}
+        kwargs["replicated"] = picked.__contains__
     return loss_fn, params, _batches(c["model"], params, c["seed"], c["rows"], c["steps"]), kwargs
 
 
@@ -190,7 +175,6 @@ def test_shard_equals_ddp_property(c):
     """MLP and GPT, default / contiguous / random units, frozen and replicated leaves,
     reshard True/False, prefetch 0-2, SGD or AdamW (sf.optim vs torch.optim), uneven
     per-rank batches, N = 2, 3, 4."""
-    assume(not _known_bug(c))
     assume(min(_chunk_sizes(c["rows"], c["world"])) > 0)
     loss_fn, params, batches, kwargs = _build(c)
     assert_ddp_equivalent(loss_fn, params, batches, world_sizes=(c["world"],), steps=c["steps"], ddp=True,
@@ -226,7 +210,6 @@ def _mesh_configs(draw):
 def test_2d_meshes_equal_ddp_over_all_ranks_property(c):
     """HSDP `{'replica': R, 'shard': S}` and 2-D sharding `{'outer', 'inner'}` (with the int
     form of reshard_after_forward) vs DDP over all R*S ranks, N = 2, 3, 4."""
-    assume(not _known_bug(c))
     assume(min(_chunk_sizes(c["rows"], math.prod(c["shape"].values()))) > 0)
     loss_fn, params, batches, kwargs = _build(c)
     assert_ddp_equivalent(loss_fn, params, batches, world_sizes=(c["shape"],), steps=c["steps"], ddp=True,
@@ -267,7 +250,6 @@ def _accumulation_configs(draw):
 def test_accumulation_equals_ddp_property(c):
     """`step.accumulate(mode=reduce_each / reduce_once)` vs DDP with `no_sync` on all but the
     last micro-batch, or (equal micro-batches) DDP on the rank's whole chunk at once."""
-    assume(not _known_bug(c))
     splits = _splits(c["rows"], c["world"], c["micro"])
     assume(all(min(s) > 0 for s in splits))  # every rank gets `micro` non-empty micro-batches
     if not c["no_sync"]:  # DDP's one big batch equals accumulation only for equal micro-batches
@@ -316,7 +298,7 @@ def test_ddp_oracle_reports_a_divergent_loss_and_leaf():
         assert_ddp_equivalent(off_under_ddp, params, batches, world_sizes=(2,), steps=1, ddp=True)
 
     def grad_off_under_ddp(p, batch):  # same loss value; the last bias' gradient + 0.01 * b
-        loss = mlp_loss(p, batch)  # (the last unit is touched last: see test_known_bug_interleaved_units)
+        loss = mlp_loss(p, batch)
         b = p["layers"][-1]["b"]
         return loss + 0.01 * ((b - b.detach()) * b.detach()).sum() if isinstance(b, torch.nn.Parameter) else loss
 
@@ -342,7 +324,7 @@ def test_errors_name_the_fix():
         assert_ddp_equivalent(loss_fn, params, batches, world_sizes=(2,), steps=1, micro_batches=3)
 
 
-# -- known bugs of shard, found by the properties above (see _known_bug) -------------------
+# -- regressions: cases the properties above found wrong once, now fixed -------------------
 
 
 def _touch_last_layer_first(p, batch):
@@ -351,56 +333,48 @@ def _touch_last_layer_first(p, batch):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, raises=(AssertionError, RankProcessError),
-                   reason="shard frees a unit used again later in the forward and back-propagates wrong gradients")
 @pytest.mark.parametrize("loss_fn, units", [
     pytest.param(mlp_loss, lambda path: path[1] % 2, id="units-layers-0-2-and-1"),
     pytest.param(_touch_last_layer_first, None, id="default-units-touched-out-of-order"),
 ])
-def test_known_bug_interleaved_units(loss_fn, units):
+def test_units_used_again_later_in_the_forward_equal_ddp(loss_fn, units):
     """With reshard_after_forward=True and prefetch=1, a unit used again after another unit
     ran in the forward (units {layers 0, 2} and {layer 1}; or the last layer read before
-    the forward) gets a wrong gradient, with no error: the loss matches DDP, but
-    params['layers'][0]['b'] is off by ~0.02-0.05 after one SGD step (uninitialized
-    memory: up to 1e149 seen). Some layouts (and prefetch=0) raise "...storage of size 0"
-    in the backward instead."""
+    the forward). It once got a wrong gradient with no error (params['layers'][0]['b'] off
+    by ~0.02-0.05 after one SGD step, uninitialized memory) or "storage of size 0"; such a
+    unit is now pinned until its backward ([Note: units used again later in the forward])."""
     _, params = _mlp(3, [3, 4, 5, 2])
     batches = _batches("mlp", params, 3, 8, 1)
     assert_ddp_equivalent(loss_fn, params, batches, world_sizes=(2,), steps=1, ddp=True, atol=TOL, units=units)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, raises=RankProcessError,
-                   reason="on a module model, explicit units / frozen units hit a freed buffer in the backward")
 @pytest.mark.parametrize("kwargs", [
     pytest.param(dict(units=_contiguous("gpt", 1)), id="units-per-block"),  # == the default grouping
     pytest.param(dict(frozen=lambda path: path[-2:] == ("ln_1", "weight")), id="frozen-ln_1"),
 ])
-def test_known_bug_units_or_frozen_on_module_model(kwargs):
-    """RuntimeError "...storage of size 0" / "data is not allocated yet" in the backward."""
+def test_units_or_frozen_on_a_module_model_equal_ddp(kwargs):
+    """Once "...storage of size 0" / "data is not allocated yet" in the backward: the module's
+    root leaves are bound for its whole forward, and a block's leaves are read together."""
     loss_fn, params = _gpt(3, n_layer=2)
     batches = _batches("gpt", params, 3, 8, 1)
     assert_ddp_equivalent(loss_fn, params, batches, world_sizes=(2,), steps=1, ddp=True, atol=TOL, **kwargs)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, raises=RankProcessError,
-                   reason="_all_reduce_replicated calls torch.promote_types with more than two dtypes")
-def test_known_bug_two_replicated_leaves_in_a_unit():
-    """TypeError: promote_types() takes 2 positional arguments but 3 were given."""
+def test_two_replicated_leaves_in_a_unit_equal_ddp():
+    """Once TypeError: promote_types() takes 2 positional arguments but 3 were given."""
     loss_fn, params = _mlp(0, [3, 4, 2])
     assert_ddp_equivalent(loss_fn, params, _batches("mlp", params, 0, 4, 1), world_sizes=(2,), steps=1, ddp=True,
                           atol=TOL, replicated=lambda path: path[1] == 0)  # layers[0]: 'w' and 'b'
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="shard averages the loss over ranks in the loss' dtype: gradients scale by a rounded 1/N")
 @pytest.mark.parametrize("loss_dtype", [torch.float32, torch.bfloat16])
-def test_known_bug_low_precision_loss_scales_gradients_by_rounded_one_over_n(loss_dtype):
-    """float64 params, a float32 (bf16) loss, N = 3: every gradient is 3 * (1/3 rounded to
-    the loss' dtype) = 1 + 3e-8 (1.00195, i.e. +0.2 %) times the data-parallel gradient,
-    which DDP gets by dividing the float64 gradients. N = 2 and 4 are exact. The loss' cast
-    back-propagates exactly here, so only the 1/N factor can differ."""
+def test_a_low_precision_loss_scales_gradients_by_the_exact_one_over_n(loss_dtype):
+    """float64 params, a float32 (bf16) loss, N = 3: every gradient was once 3 * (1/3 rounded
+    to the loss' dtype) = 1 + 3e-8 (1.00195, i.e. +0.2 %) times the data-parallel gradient,
+    which DDP gets by dividing the float64 gradients ([Note: the loss mean's 1/N]). The
+    loss' cast back-propagates exactly here, so only the 1/N factor can differ."""
     _, params = _mlp(0, [3, 4, 2])
     (batch,) = _batches("mlp", params, 0, 6, 1)
     ref = torch.func.grad(lambda p: sum(mlp_loss(p, local_batch(batch, r, 3)) for r in range(3)) / 3)(params)

@@ -190,9 +190,21 @@ class GatherTangent(torch.autograd.Function):
         raise ShardingError("shard: reverse mode over forward mode through a unit gather is not supported")
 
 
+# [Note: the loss mean's 1/N]
+# The step returns the mean of the ranks' losses, so its backward scales the cotangent by
+# 1/N (no collective: every rank seeds the same cotangent). That product is in the loss'
+# dtype: a float32 or bf16 loss rounds 1/3 (1 + 3e-8, or +0.2 % in bf16), and every
+# gradient would carry that factor, where DDP divides the (float64, or reduce-dtype)
+# gradients themselves. So the backward records the exact/rounded ratio, and the
+# gradient reduction multiplies the reduced parameter gradients by it in the reduce dtype
+# (reduce.py; a no-op for a float64 loss or a power-of-two N). Gradients that flow to the
+# batch or other inputs keep the loss dtype's 1/N, as autograd computes them.
+
+
 class LossMean(torch.autograd.Function):
     """Mean of the per-rank loss over the data axes. Backward: scale by 1/N (no collective:
-    every rank seeds the same cotangent) and start re-gathering for the backward."""
+    every rank seeds the same cotangent; [Note: the loss mean's 1/N]) and start
+    re-gathering for the backward."""
 
     @staticmethod
     def forward(loss, rs: RankState):
@@ -206,9 +218,12 @@ class LossMean(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ctx.rs.backward_start()
-        groups = ctx.rs.groups
-        return g / (groups.data.size * groups.tp_size), None  # [Note: FSDP x TP] rule (1)
+        rs = ctx.rs
+        rs.backward_start()
+        scale = 1.0 / (rs.groups.data.size * rs.groups.tp_size)  # [Note: FSDP x TP] rule (1)
+        rounded = float(torch.tensor(scale, dtype=g.dtype))
+        rs.grad_fix = scale / rounded  # [Note: the loss mean's 1/N]
+        return g * rounded, None
 
     @staticmethod
     def jvp(ctx, t, _):

@@ -10,6 +10,8 @@ all-reduced, one collective per set of axes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .._backend import ops
@@ -57,15 +59,18 @@ def reduce_scatter(packed: torch.Tensor, group, stats: Stats, out: torch.Tensor 
     return ops.reduce_scatter_async(group, packed, out=out)
 
 
-def finish_reduce(flat: torch.Tensor, *, replica_regions, regions, mesh, stats: Stats) -> None:
+def finish_reduce(flat: torch.Tensor, *, replica_regions, regions, mesh, stats: Stats, fix: float = 1.0) -> None:
     """After the reduce-scatter, in place on the `(*lead, S)` shard gradient: the sum over
     the other data axes (HSDP replicas) for the shard-buffer `replica_regions` of the leaves
     replicated there ([Note: expert parallelism]), then over the tensor-parallel axes for
-    the `regions` of the leaves they replicate ([Note: FSDP x TP])."""
+    the `regions` of the leaves they replicate ([Note: FSDP x TP]); then the loss mean's
+    rounding `fix` ([Note: the loss mean's 1/N])."""
     for axes, start, stop in replica_regions + regions:
         region = flat.narrow(-1, start, stop - start)
         stats.collective("all_reduce", _nbytes(region))
         region.copy_(ops.all_reduce(mesh.group(axes), region))
+    if fix != 1.0:
+        flat.mul_(fix)
 
 
 def shard_grads(plan: UnitPlan, flat: torch.Tensor, index: int, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:
@@ -84,7 +89,8 @@ def zero_shard_grads(plan: UnitPlan, index: int, device, lead: tuple[int, ...] =
 
 
 def all_reduce_replicated(layouts: tuple[LeafLayout, ...], grads: list, *, shard_axes: tuple[str, ...], mesh,
-                          reduce_dtype: torch.dtype | None, device, lead: tuple[int, ...], stats: Stats) -> list:
+                          reduce_dtype: torch.dtype | None, device, lead: tuple[int, ...], stats: Stats,
+                          fix: float = 1.0) -> list:
     """Gradients of whole leaves (None: zeros) summed over the shard axes and the other
     data and tensor-parallel axes each leaf is replicated over: one flat all-reduce per set
     of axes, in `reduce_dtype` (default: at least float32), cast back to each leaf's dtype."""
@@ -99,11 +105,15 @@ def all_reduce_replicated(layouts: tuple[LeafLayout, ...], grads: list, *, shard
     for axes, floats in by_axes.items():
         group = mesh.group(axes)
         if group.size == 1:
+            for i in floats if fix != 1.0 else ():
+                filled[i] = filled[i] * fix
             continue
-        dtype = reduce_dtype or torch.promote_types(*(filled[i].dtype for i in floats), torch.float32)
+        dtype = reduce_dtype or functools.reduce(torch.promote_types, (filled[i].dtype for i in floats), torch.float32)
         flat = torch.cat([filled[i].reshape(lead + (-1,)).to(dtype) for i in floats], dim=-1)
         stats.collective("all_reduce", _nbytes(flat))
         flat = ops.all_reduce(group, flat)
+        if fix != 1.0:
+            flat = flat * fix
         start = 0
         for i in floats:
             n = filled[i][(0,) * len(lead)].numel() if lead else filled[i].numel()

@@ -22,6 +22,7 @@ from .._errors import ShardingError
 from .._shard_map import replicated_mismatch
 from . import reduce
 from .autograd import GatherUnit, LossMean, plain, stacked
+from .view import current_scope
 from .groups import Groups
 from .plan import Plan, UnitPlan, copy_out, leaf_views, pack_grads, pack_shards
 
@@ -54,6 +55,24 @@ __all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState"]
 # waited once at the end, followed by the all-reduces that complete it in place (HSDP,
 # tensor parallelism). Only when the shard gradients are views of its output: no cast,
 # no finiteness check, no vmap.
+
+# [Note: units used again later in the forward]
+# The schedule frees a unit when the next one is entered, which assumes a unit's
+# parameters are used before the next unit's (a layer stack). Two patterns break that,
+# and each is handled rather than left to read freed memory:
+# - a unit read again after other units (the root's tied head, a shared layer, units
+#   interleaved by `units=`): the read gathers it again and pins it, so it stays gathered
+#   until its own backward (its ops run in the backward before the node that would
+#   re-gather it);
+# - units read together, e.g. by `sf.functional`, which fetches all leaves of a block
+#   before running it, when `units=` or `frozen=` split that block over several units:
+#   inside `view.together()` units entered together do not free each other, and the
+#   backward brings them back together; `together(held=True)` (a module's root leaves,
+#   bound for its whole forward) pins them.
+# A view kept past the entry of other units and used later without being read again is
+# still freed; the backward's prefetches never give a freed unit storage before its data
+# is there (they gather beside the buffer), so such a use fails loudly ("storage of size
+# 0") instead of reading a buffer an all-gather is filling.
 
 # Schedule work (gathers, frees) also runs inside backward functions, where functorch
 # would otherwise wrap the results of ops on our plain buffers.
@@ -134,6 +153,7 @@ class UnitRuntime:
         self.outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
         self.backward_done = False
         self.stacked = False  # this step gathered stacked shards (vmap over an ensemble): no schedule
+        self.pinned = False  # used again after other units in this forward: kept until its backward
         self.acc: torch.Tensor | None = None  # (k, *lead, S) unsharded grad sum (accumulate, reduce_once)
         self.acc_replicated: list | None = None
 
@@ -152,11 +172,13 @@ class UnitRuntime:
     # (until the gather is waited), the all-gather output, the unsharded buffer and the
     # hpZ rows, so the statistic matches what an allocator sees.
 
-    def start_gather(self) -> None:
+    def start_gather(self, into_buffer: bool = True) -> None:
+        """Start the all-gather; `into_buffer=False`: never into the unit's buffer (which
+        then stays without storage until `finish_gather`)."""
         with _raw():
-            self._start_gather()
+            self._start_gather(into_buffer)
 
-    def _start_gather(self) -> None:
+    def _start_gather(self, into_buffer: bool = True) -> None:
         if not self.plan.sharded:
             self.state = UnitState.GATHERED
             return
@@ -168,7 +190,8 @@ class UnitRuntime:
             send, out = self.kept, None  # -> (M, k / M, S)
         else:
             send = pack_shards(plan, self.shards, self.dtype, g.device)
-            out = self._alloc_full().view(plan.k, plan.shard_numel) if len(plan.sharded) == 1 else None
+            direct = into_buffer and len(plan.sharded) == 1
+            out = self._alloc_full().view(plan.k, plan.shard_numel) if direct else None
         fresh = not self.gathering_kept and all(send.data_ptr() != x.data_ptr() for x in self.shards)
         self.send_bytes = send.numel() * send.element_size() if fresh else 0  # a shard itself is no new buffer
         self.apart_bytes = 0 if out is not None else self.nbytes  # a separate all-gather output
@@ -266,6 +289,7 @@ class RankState:
         # The loss must be the same on every tensor-parallel rank: checked on the first call.
         self.loss_checked = self.groups.tp_size == 1
         self.leaves: list[torch.Tensor] = []  # this step's shard leaves, as loss_fn's caller passed them
+        self.grad_fix = 1.0  # exact / rounded 1/N of the loss mean's backward ([Note: the loss mean's 1/N])
 
     # -- step lifecycle -------------------------------------------------------------------
     def begin_step(self, leaves: list[torch.Tensor]) -> None:
@@ -280,13 +304,16 @@ class RankState:
             unit.outputs = None
             unit.backward_done = False
             unit.stacked = False
+            unit.pinned = False
             unit.shards = [plain(leaves[layout.index]) for layout in unit.plan.sharded]
+        self.scope, self.scope_units = None, set()  # the `together` block being read, its units
+        self.scope_of: dict[int, object] = {}  # unit -> the `together` block it was entered in
 
     def end_forward(self) -> None:
         self.schedule.in_forward = False
         if self.config.reshard_after_forward:
             for i in self.schedule.order:
-                if not self.units[i].plan.is_root:
+                if not self.units[i].plan.is_root and not self.units[i].pinned:
                     self.units[i].reshard(post_forward=True)
 
     def leaf(self, i: int) -> torch.Tensor:
@@ -318,6 +345,7 @@ class RankState:
             unit.outputs = {l.index: o for l, o in zip(order, outs)}
         elif unit.state is not UnitState.GATHERED and not unit.stacked:  # released earlier in this forward
             unit.finish_gather(in_forward=True)
+            unit.pinned = True  # [Note: units used again later in the forward]
         return unit.outputs[i]
 
     def loss_mean(self, loss: torch.Tensor) -> torch.Tensor:
@@ -330,10 +358,19 @@ class RankState:
         unit = self.units[u]
         unit.shards = [plain(x) for x in inputs[: len(unit.plan.sharded)]]
         self.schedule.order.append(u)
+        scope = current_scope()
+        if scope is None or scope is not self.scope:
+            self.scope, self.scope_units = scope, set()
+        if scope is not None:
+            unit.pinned = unit.pinned or scope.held
+            self.scope_of[u] = scope
         if self.config.reshard_after_forward and not unit.plan.is_root:
-            for other in self.units:
-                if other is not unit and not other.plan.is_root and other.state is UnitState.GATHERED:
+            for i, other in enumerate(self.units):
+                if (other is not unit and not other.plan.is_root and other.state is UnitState.GATHERED
+                        and not other.pinned and i not in self.scope_units):
                     other.reshard(post_forward=True)
+        if scope is not None:
+            self.scope_units.add(u)
         unit.finish_gather(in_forward=True)
         for nxt in self.schedule.prefetch_after(u):
             self.units[nxt].start_gather()
@@ -359,10 +396,12 @@ class RankState:
 
     def _bring(self, upcoming: list[int]) -> None:
         need, ahead = self.schedule.backward_next(upcoming)
+        scopes = {self.scope_of[i] for i in need if i in self.scope_of}
+        need += [i for i in upcoming if i not in need and self.scope_of.get(i) in scopes]  # read together
         for i in need:
             self.units[i].finish_gather()
         for i in ahead:  # after the copy-out of `need`: its all-gather output is gone by then
-            self.units[i].start_gather()
+            self.units[i].start_gather(into_buffer=False)  # [Note: units used again later in the forward]
 
     # -- gradients ------------------------------------------------------------------------
     def reduce_gradients(self, u: int, grads, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:
@@ -386,7 +425,8 @@ class RankState:
             packed = pack_grads(plan, sharded_grads, reduce_dtype, g.device, lead)  # (k, *lead, S)
             if unit.acc is not None:
                 packed, unit.acc = packed + unit.acc, None
-            finish = dict(replica_regions=plan.replica_regions, regions=plan.regions, mesh=self.mesh, stats=self.stats)
+            finish = dict(replica_regions=plan.replica_regions, regions=plan.regions, mesh=self.mesh, stats=self.stats,
+                          fix=self.grad_fix)
             if self._can_defer(plan, reduce_dtype, lead):  # [Note: deferred reductions]
                 flat = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
                 self.deferred.append((reduce.reduce_scatter(packed, g.shard, self.stats, out=flat), flat, finish))
@@ -403,7 +443,7 @@ class RankState:
                 unit.acc_replicated = None
             out.extend(reduce.all_reduce_replicated(
                 plan.replicated, whole_grads, shard_axes=cfg.shard_axes, mesh=self.mesh,
-                reduce_dtype=g.reduce_dtype, device=g.device, lead=lead, stats=self.stats))
+                reduce_dtype=g.reduce_dtype, device=g.device, lead=lead, stats=self.stats, fix=self.grad_fix))
         return out
 
     def _can_defer(self, plan: UnitPlan, reduce_dtype, lead) -> bool:

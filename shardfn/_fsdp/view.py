@@ -8,12 +8,39 @@ so a unit's sub-dict can go straight into `torch.func.functional_call`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 from .. import _tree
 
-__all__ = ["ParamsView", "make_view", "materialize"]
+__all__ = ["ParamsView", "make_view", "materialize", "together", "current_scope"]
+
+_scopes = threading.local()
+
+
+class together:
+    """Leaves read inside this block are read together: their units do not free each other
+    when entered, and are gathered together again in the backward. `held=True`: the leaves
+    are used through the whole forward (a module's root parameters), so their units stay
+    gathered until their backward ([Note: units used again later in the forward] in
+    runtime.py)."""
+
+    def __init__(self, held: bool = False):
+        self.held = held
+
+    def __enter__(self):
+        self.previous = getattr(_scopes, "current", None)
+        _scopes.current = self
+        return self
+
+    def __exit__(self, *exc):
+        _scopes.current = self.previous
+
+
+def current_scope():
+    """The innermost `together` block of this thread, or None."""
+    return getattr(_scopes, "current", None)
 
 
 class _Leaf:
