@@ -53,6 +53,7 @@ class Estimate:
     peak_gathered_bytes: int  # step.stats()["peak_gathered_bytes"]
     peak_activation_bytes: int  # the most bytes the step allocates besides gathered parameters
     peak_step_bytes: int  # the most bytes the step allocates at once, gathered parameters included
+    scratch_bytes: int  # the largest all-gather / reduce-scatter buffer: what gloo (CPU) adds, copying through one
     all_gather_bytes: int
     reduce_scatter_bytes: int
     all_reduce_bytes: int
@@ -72,6 +73,7 @@ class Estimate:
             ("peak activations", self.peak_activation_bytes),
             ("peak of the step (gathered + activations + gradients)", self.peak_step_bytes),
             ("total (shards + optimizer state + peak of the step)", self.total),
+            ("+ collective scratch on gloo (CPU)", self.scratch_bytes),
             ("all-gather per step", self.all_gather_bytes),
             ("reduce-scatter per step", self.reduce_scatter_bytes),
             ("all-reduce per step", self.all_reduce_bytes),
@@ -82,7 +84,7 @@ class Estimate:
         width = max(len(name) for name, _ in rows)
         lines = [f"sf.estimate on mesh {self.mesh_shape}, per rank:"]
         for i, (name, value) in enumerate(rows):
-            if i == 7:
+            if i == 8:
                 lines.append(f"  {'collectives (logical bytes)':<{width}}  {self.num_collectives:>8} ops")
             lines.append(f"  {name:<{width}}  {format_bytes(value):>12}")
         return "\n".join(lines)
@@ -169,7 +171,7 @@ class _Tracker(TorchDispatchMode):
         super().__init__()
         self.recording = False
         self.live = 0
-        self.keys: set[int] = set()
+        self.keys: dict[int, int] = {}  # storage -> bytes, of those created while recording
         self.exclude: set[int] = set()
         self.extra: Callable[[], int] = lambda: 0
         self.gathered: Callable[[], int] = lambda: 0
@@ -195,12 +197,12 @@ class _Tracker(TorchDispatchMode):
         if key in inputs or key in self.keys or key in self.exclude:
             return
         n = storage.nbytes()
-        self.keys.add(key)
+        self.keys[key] = n
         self.live += n
         weakref.finalize(storage, self._free, key, n)
 
     def _free(self, key: int, n: int) -> None:
-        self.keys.discard(key)
+        self.keys.pop(key, None)
         self.live -= n
 
     def sample(self) -> None:
@@ -287,9 +289,16 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
                     tracker.sample()
 
                 state.stats.hold = hold_and_sample
+                scratch = [0]
+
+                def note(op: str, axes, nbytes: int) -> None:
+                    if op in ("all_gather", "reduce_scatter"):
+                        scratch[0] = max(scratch[0], nbytes)
+
                 tracker.recording = True
                 try:
-                    grads, _ = torch.func.grad_and_value(step, has_aux=has_aux)(shards, batch, *rest)
+                    with ops.recording(note):
+                        grads, _ = torch.func.grad_and_value(step, has_aux=has_aux)(shards, batch, *rest)
                     tracker.sample()
                 finally:
                     tracker.recording = False
@@ -298,7 +307,7 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
         return dict(
             param_bytes=_nbytes(shards), grad_bytes=_nbytes(grads), opt_state_bytes=_nbytes(opt_state),
             peak_gathered_bytes=stats["peak_gathered_bytes"], peak_activation_bytes=tracker.peak_rest,
-            peak_step_bytes=tracker.peak_step, all_gather_bytes=stats["all_gather_bytes"],
+            peak_step_bytes=tracker.peak_step, scratch_bytes=scratch[0], all_gather_bytes=stats["all_gather_bytes"],
             reduce_scatter_bytes=stats["reduce_scatter_bytes"], all_reduce_bytes=stats["all_reduce_bytes"],
             num_collectives=stats["num_collectives"],
         )
