@@ -215,11 +215,11 @@ class _Tracker(TorchDispatchMode):
 
 def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, optimizer=None,
              dtype: torch.dtype = torch.float32, batch_dtype: torch.dtype | None = None, rest: tuple = (),
-             **shard_options) -> Estimate:
+             use_func: bool = False, **shard_options) -> Estimate:
     """Per-rank memory and traffic of `sf.shard(loss_fn, mesh, **shard_options)`, from a dry run.
 
-    The step (forward and backward, by `torch.func.grad_and_value`, after one forward
-    that teaches the schedule its prefetch order) runs on meta tensors on a simulated mesh
+    The step (forward and backward, as `sf.train_step` runs them, after one forward that
+    teaches the schedule its prefetch order) runs on meta tensors on a simulated mesh
     of `mesh_shape`: ranks are threads, no tensor has data and no collective moves any, so
     a model far larger than this machine can be planned here. Gathered parameters and
     collective bytes are exact (they come from the step's own `stats()`); activations are
@@ -238,6 +238,10 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
       optimizer: an `sf.optim` transformation; its `init` runs on the meta shards.
       dtype, batch_dtype: the dtypes of leaves given as bare shapes.
       rest: extra positional arguments of `loss_fn` (after the batch).
+      use_func: differentiate with `torch.func.grad_and_value(step)` instead of
+        `step.grad_and_value` (the path `sf.train_step` takes by default). `torch.func`
+        keeps every saved activation until the backward ends (it builds the graph of the
+        backward too), so its peak is higher.
       **shard_options: passed to `sf.shard` (`reshard_after_forward`, `prefetch`,
         `mixed_precision`, `units`, `shard_axes`, ...).
 
@@ -268,7 +272,7 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
     batch = _meta_tree(batch_shapes, batch_dtype or dtype, "batch_shapes")
     mesh = _meta_mesh(tuple(shape.items()))
     step = shard(loss_fn, mesh, **shard_options)
-    has_aux = step.config.has_aux
+    grad_and_value = torch.func.grad_and_value(step, has_aux=step.config.has_aux) if use_func else step.grad_and_value
 
     def body():
         tracker = _Tracker()
@@ -298,7 +302,7 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
                 tracker.recording = True
                 try:
                     with ops.recording(note):
-                        grads, _ = torch.func.grad_and_value(step, has_aux=has_aux)(shards, batch, *rest)
+                        grads, _ = grad_and_value(shards, batch, *rest)
                     tracker.sample()
                 finally:
                     tracker.recording = False

@@ -32,7 +32,7 @@ def _allocations(prof) -> list[tuple[int, int]]:
     return sorted((e.start_ns(), e.nbytes()) for e in events)
 
 
-def _measure(loss_fn, params, make_batch, n, optimizer=None, **options):
+def _measure(loss_fn, params, make_batch, n, optimizer=None, use_func=False, **options):
     """Run the real step on a simulated mesh of n ranks; rank 0's measurements.
 
     `peak`: the most bytes allocated at once during the step (profiler). `activations`:
@@ -43,6 +43,7 @@ def _measure(loss_fn, params, make_batch, n, optimizer=None, **options):
     """
     mesh = sf.local_mesh({"data": n})
     step = sf.shard(loss_fn, mesh, **options)
+    grad_and_value = torch.func.grad_and_value(step) if use_func else step.grad_and_value
 
     def body():
         torch.set_num_threads(1)
@@ -51,7 +52,7 @@ def _measure(loss_fn, params, make_batch, n, optimizer=None, **options):
         batch = make_batch(mesh.rank)
         step(shards, batch)  # learn the access order
         if mesh.rank != 0:
-            torch.func.grad_and_value(step)(shards, batch)
+            grad_and_value(shards, batch)
             return None
         stats = step._state(step._plan_for(shards)).stats
         hold, held = stats.hold, [(0, 0)]
@@ -66,7 +67,7 @@ def _measure(loss_fn, params, make_batch, n, optimizer=None, **options):
                 pass  # the profiler's first start is slow: keep it out of the measured one
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 held.append((time.time_ns(), stats.live))
-                grads, _ = torch.func.grad_and_value(step)(shards, batch)
+                grads, _ = grad_and_value(shards, batch)
         finally:
             del stats.hold
         live = peak = rest = 0
@@ -86,7 +87,7 @@ def _measure(loss_fn, params, make_batch, n, optimizer=None, **options):
 # -- the cases -----------------------------------------------------------------------------
 
 
-def _mlp(L=8, D=512, B=512):
+def _mlp(L=8, D=512, B=1024):
     g = torch.Generator().manual_seed(0)
     params = {"layers": [{"w": torch.randn(D, D, generator=g) / D ** 0.5, "b": torch.zeros(D)} for _ in range(L)]}
 
@@ -116,10 +117,10 @@ def _gpt(B=8, T=64):
     return loss_fn, params, make_batch, (((B, T), torch.long), ((B, T), torch.long))
 
 
-def _check(case, n, optimizer=None, **options):
+def _check(case, n, optimizer=None, use_func=False, **options):
     loss_fn, params, make_batch, batch_shapes = case
-    est = sf.estimate(loss_fn, params, batch_shapes, {"data": n}, optimizer=optimizer, **options)
-    real = _measure(loss_fn, params, make_batch, n, optimizer, **options)
+    est = sf.estimate(loss_fn, params, batch_shapes, {"data": n}, optimizer=optimizer, use_func=use_func, **options)
+    real = _measure(loss_fn, params, make_batch, n, optimizer, use_func, **options)
     stats = real["stats"]
     assert (est.param_bytes, est.grad_bytes, est.opt_state_bytes) == (
         real["param_bytes"], real["grad_bytes"], real["opt_state_bytes"])
@@ -139,12 +140,14 @@ def _check(case, n, optimizer=None, **options):
     return est, real
 
 
-def test_mlp_matches_the_real_step_on_two_ranks():
-    _check(_mlp(), 2, optimizer=sf.optim.adamw(1e-3))
+@pytest.mark.parametrize("use_func", [False, True], ids=["train_step", "torch.func"])
+def test_mlp_matches_the_real_step_on_two_ranks(use_func):
+    _check(_mlp(), 2, optimizer=sf.optim.adamw(1e-3), use_func=use_func)
 
 
-def test_gpt_matches_the_real_step_on_two_ranks():
-    _check(_gpt(), 2, optimizer=sf.optim.adamw(1e-3))
+@pytest.mark.parametrize("use_func", [False, True], ids=["train_step", "torch.func"])
+def test_gpt_matches_the_real_step_on_two_ranks(use_func):
+    _check(_gpt(), 2, optimizer=sf.optim.adamw(1e-3), use_func=use_func)
 
 
 def test_gpt_matches_the_real_step_on_four_ranks():

@@ -64,7 +64,9 @@ def _plain_op(fn):
 # [Note: meta tensors] `sf.estimate` runs a step on meta tensors (shapes and dtypes, no
 # data). A collective on a meta tensor returns a meta result of the right shape at once:
 # it is recorded (`recording`) like a real one, but never reaches the process group, so
-# the ranks of a dry run need not even issue the same collectives at the same time.
+# the ranks of a dry run need not even issue the same collectives at the same time. An
+# async one keeps its input and output alive until it is waited, as a work object does,
+# so that a dry run holds the buffers a real run holds.
 _meta_run = threading.local()
 
 
@@ -214,8 +216,8 @@ def all_gather_async(group: Group, x: torch.Tensor, out: torch.Tensor | None = N
     if out is None:
         out = torch.empty((k,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     _note("all_gather", group, out.numel() * out.element_size())
-    if x.is_meta:  # [Note: meta tensors]
-        return Pending(None, group, "", 0, lambda: _blocks_to_logical(group, out))
+    if x.is_meta:  # [Note: meta tensors] holding its buffers until waited, as a process group's work does
+        return Pending(None, group, "", 0, lambda: _blocks_to_logical(group, (x, out)[1]))
 
     def direct():
         work = group.pg._allgather_base(out.view(-1), x.view(-1))
@@ -249,8 +251,8 @@ def reduce_scatter_async(group: Group, x: torch.Tensor, out: torch.Tensor | None
         out = torch.empty(tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _note("reduce_scatter", group, x.numel() * x.element_size())
     x_pg = _blocks_to_pg(group, x)
-    if x.is_meta:  # [Note: meta tensors]
-        return Pending(None, group, "", 0, lambda: out)
+    if x.is_meta:  # [Note: meta tensors] holding its buffers until waited, as a process group's work does
+        return Pending(None, group, "", 0, lambda: (x_pg, out)[1])
 
     def direct():
         opts = dist.ReduceScatterOptions()
