@@ -152,3 +152,107 @@ def test_gpt_matches_the_real_step_on_two_ranks(use_func):
 
 def test_gpt_matches_the_real_step_on_four_ranks():
     _check(_gpt(), 4, optimizer=sf.optim.adamw(1e-3))
+
+
+def test_options_are_followed_exactly():
+    # ZeRO-2's trade (units kept gathered) in bf16: the dry run follows the options it is given
+    mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    est, real = _check(_mlp(L=4, B=512), 2, reshard_after_forward=False, mixed_precision=mp)
+    psi = 2 * real["param_bytes"]  # fp32 shards on 2 ranks
+    assert est.all_gather_bytes == psi // 2  # Ψ_p = Ψ / 2 in bf16, gathered once
+
+
+# -- the API --------------------------------------------------------------------------------
+
+
+def _tiny_gpt():
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
+    with torch.device("meta"):  # no memory: the dry run needs shapes only
+        apply_fn, params = sf.functional(GPT(cfg))
+    return (lambda p, b: apply_fn(p, *b)), params
+
+
+def test_eight_ranks_follow_the_memory_model():
+    loss_fn, params = _tiny_gpt()
+    psi = _nbytes(params)
+    psi_root = _nbytes({k: v for k, v in params["transformer"].items() if k != "h"})
+    psi_unit = _nbytes(params["transformer"]["h"][0])
+    est = sf.estimate(loss_fn, params, (((2, 16), torch.long),) * 2, {"data": 8}, optimizer=sf.optim.adamw(1e-3))
+    assert est.mesh_shape == {"data": 8}
+    assert est.param_bytes == est.grad_bytes == psi // 8
+    assert est.opt_state_bytes == 2 * psi // 8 + 8  # mu, nu and the int64 step count
+    assert est.peak_gathered_bytes == psi_root + 2 * psi_unit + psi_unit // 8  # docs/design/memory.md
+    assert est.all_gather_bytes == 2 * psi - psi_root and est.reduce_scatter_bytes == psi
+    assert est.all_reduce_bytes == 4
+    assert est.peak_activation_bytes > 0
+    assert est.total == est.param_bytes + est.opt_state_bytes + est.peak_step_bytes
+    assert est.peak_step_bytes >= max(est.peak_gathered_bytes, est.peak_activation_bytes, est.grad_bytes)
+
+
+def test_params_and_batch_as_tensors_shapes_or_pairs_agree():
+    loss_fn, params, _, _ = _mlp(L=2, D=64, B=8)
+    shapes = optree.tree_map(lambda x: x.shape, params)
+    tuples = optree.tree_map(lambda x: (tuple(x.shape), x.dtype), params)
+    meta = optree.tree_map(lambda x: x.to("meta"), params)
+    results = [
+        sf.estimate(loss_fn, params, torch.zeros(8, 64), 2),
+        sf.estimate(loss_fn, shapes, torch.Size([8, 64]), {"data": 2}),
+        sf.estimate(loss_fn, tuples, (8, 64), {"data": 2}),
+        sf.estimate(loss_fn, meta, ((8, 64), torch.float32), {"data": 2}),
+    ]
+    assert all(r == results[0] for r in results[1:])
+
+
+def test_estimate_prints_a_table():
+    loss_fn, params, _, _ = _mlp(L=2, D=64, B=8)
+    text = str(sf.estimate(loss_fn, params, (8, 64), 2, optimizer=sf.optim.sgd(0.1)))
+    for row in ("parameter shards", "gradient shards", "optimizer state", "peak gathered parameters",
+                "peak activations", "total", "all-gather per step", "reduce-scatter per step"):
+        assert row in text
+    assert text.startswith("sf.estimate on mesh {'data': 2}, per rank:")
+
+
+def test_a_leaf_that_is_no_shape_is_named():
+    loss_fn, params, _, _ = _mlp(L=2, D=64, B=8)
+    params["layers"][1]["b"] = "64"
+    with pytest.raises(sf.SpecError, match=r"params_or_shapes\['layers'\]\[1\]\['b'\] is a str"):
+        sf.estimate(loss_fn, params, (8, 64), 2)
+    with pytest.raises(sf.SpecError, match=r"batch_shapes\[1\] is a float"):
+        sf.estimate(loss_fn, optree.tree_map(lambda x: x.shape, _mlp(L=2, D=64)[1]), ((8, 64), 1.5), 2)
+
+
+def test_meta_params_are_still_refused_by_a_real_step():
+    mesh = sf.local_mesh({"data": 2})
+    step = sf.shard(lambda p, x: (x @ p["w"]).sum(), mesh)
+    with pytest.raises(sf.ShardingError, match=r"params\['w'\] is on the meta device"):
+        mesh.run(lambda: step.shard_params({"w": torch.empty(4, 4, device="meta")}))
+
+
+def test_collectives_on_meta_tensors_return_shapes_without_the_process_group():
+    from shardfn._backend import ops
+
+    mesh = sf.local_mesh({"data": 4})
+    backend = mesh._backend
+
+    def body():
+        group = mesh.group("data")
+        seen = []
+        x = torch.empty(2, 3, device="meta")
+        with ops.recording(lambda op, axes, nbytes: seen.append((op, nbytes))):
+            shapes = [
+                ops.all_reduce(group, x).shape,
+                ops.all_gather(group, x).shape,
+                ops.all_gather_async(group, x).wait().shape,
+                ops.reduce_scatter(group, torch.empty(8, 3, device="meta")).shape,
+                ops.all_to_all(group, torch.empty(4, 6, device="meta"), 0, 1).shape,
+                ops.ppermute(group, x, [(0, 1), (1, 0)]).shape,
+            ]
+        return shapes, seen
+
+    before = dict(backend._seq)
+    # one rank alone: nothing waits for the others
+    shapes, seen = backend.run(lambda: body() if mesh.rank == 0 else None, (), {})[0]
+    assert shapes == [(2, 3), (8, 3), (4, 2, 3), (2, 3), (1, 24), (2, 3)]
+    assert seen == [("all_reduce", 24), ("all_gather", 96), ("all_gather", 96), ("reduce_scatter", 96),
+                    ("all_to_all", 96), ("ppermute", 24)]
+    assert dict(backend._seq) == before  # no sequence number taken: the group never saw them
