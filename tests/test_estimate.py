@@ -256,3 +256,15 @@ def test_collectives_on_meta_tensors_return_shapes_without_the_process_group():
     assert seen == [("all_reduce", 24), ("all_gather", 96), ("all_gather", 96), ("reduce_scatter", 96),
                     ("all_to_all", 96), ("ppermute", 24)]
     assert dict(backend._seq) == before  # no sequence number taken: the group never saw them
+
+
+def test_the_docs_table_is_what_the_script_prints():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "will_it_fit.py")
+    spec = importlib.util.spec_from_file_location("will_it_fit", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.page_table() == script.markdown_table(script.estimates()), (
+        "docs/howto/will-it-fit.md is stale: run python -m benchmarks.will_it_fit --write")
