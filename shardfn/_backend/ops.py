@@ -87,9 +87,13 @@ def in_meta_run() -> bool:
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors start at the same memory (as `data_ptr()` equality, which is
-    always 0 on meta tensors)."""
-    return a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+    """Whether two tensors start at the same memory: `data_ptr()` equality, except on meta
+    tensors, whose `data_ptr()` is always 0. (Real tensors are not asked for their storage:
+    a storage's Python object, once made, must be released under the GIL, which delays
+    frees that gloo's threads make.)"""
+    if a.is_meta or b.is_meta:
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+    return a.data_ptr() == b.data_ptr()
 
 
 FORCE_FALLBACK: set[str] = set()  # op names to run through their fallback (tests)
