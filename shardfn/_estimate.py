@@ -267,6 +267,12 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
     """
     from ._fsdp import shard
 
+    if shard_options.get("param_specs") is not None:
+        raise SpecError(
+            "sf.estimate: param_specs (FSDP x tensor parallelism) is not supported yet: the collectives inside "
+            "loss_fn refuse meta tensors.\nFix: estimate the data-parallel part (without param_specs) on the "
+            "shard group's size, with each parameter's tensor-parallel block as its shape."
+        )
     shape = _normalize_shape({"data": mesh_shape} if isinstance(mesh_shape, int) else mesh_shape, None)
     params = _meta_tree(params_or_shapes, dtype, "params_or_shapes")
     batch = _meta_tree(batch_shapes, batch_dtype or dtype, "batch_shapes")

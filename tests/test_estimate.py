@@ -102,6 +102,24 @@ def _mlp(L=8, D=512, B=1024):
     return loss_fn, params, make_batch, torch.Size([B, D])
 
 
+def _mlp_remat(L=8, D=512, B=1024):
+    """Each layer recomputed in the backward (torch.utils.checkpoint: the eager path only)."""
+    from torch.utils.checkpoint import checkpoint
+
+    _, params, make_batch, batch_shapes = _mlp(L, D, B)
+
+    def layer_fn(x, w, b):
+        return torch.tanh(torch.tanh(x @ w + b) * 2 + 1)
+
+    def loss_fn(p, x, remat=True):
+        for layer in p["layers"]:
+            x = checkpoint(layer_fn, x, layer["w"], layer["b"], use_reentrant=False) if remat else layer_fn(
+                x, layer["w"], layer["b"])
+        return x.square().mean()
+
+    return loss_fn, params, make_batch, batch_shapes
+
+
 def _gpt(B=8, T=64):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=4, n_head=4, n_embd=128)
@@ -152,6 +170,47 @@ def test_gpt_matches_the_real_step_on_two_ranks(use_func):
 
 def test_gpt_matches_the_real_step_on_four_ranks():
     _check(_gpt(), 4, optimizer=sf.optim.adamw(1e-3))
+
+
+def test_recomputation_is_measured_as_written():
+    loss_fn, params, make_batch, batch_shapes = _mlp_remat()
+    est, _ = _check((loss_fn, params, make_batch, batch_shapes), 2)
+    plain = sf.estimate(lambda p, x: loss_fn(p, x, remat=False), params, batch_shapes, 2)
+    # without recomputation each layer keeps its inner tanh's output, a (B, D) tensor, for the backward
+    assert plain.peak_activation_bytes - est.peak_activation_bytes >= 8 * 1024 * 512 * 4
+
+
+def _real_stats(loss_fn, params, make_batch, shape, **options):
+    mesh = sf.local_mesh(shape)
+    step = sf.shard(loss_fn, mesh, **options)
+
+    def body():
+        shards = step.shard_params(params)
+        batch = make_batch(mesh.rank)
+        step(shards, batch)
+        grads, _ = step.grad_and_value(shards, batch)
+        return _nbytes(shards), _nbytes(grads), step.stats()
+
+    return max(mesh.run(body), key=lambda r: r[0])
+
+
+@pytest.mark.parametrize("shape, options", [
+    ({"replica": 2, "shard": 2}, dict(data_axes=("replica", "shard"), shard_axes="shard")),  # HSDP
+    ({"node": 2, "gpu": 2}, dict(data_axes=("node", "gpu"), reshard_after_forward="gpu")),  # hpZ
+    ({"data": 3}, dict(prefetch=2)),  # uneven chunks: 512 rows over 3 ranks
+], ids=["hsdp", "hpz", "uneven"])
+def test_two_dimensional_meshes_and_uneven_chunks_are_exact(shape, options):
+    loss_fn, params, make_batch, batch_shapes = _mlp(L=4, D=512, B=8)
+    est = sf.estimate(loss_fn, params, batch_shapes, shape, **options)
+    param_bytes, grad_bytes, stats = _real_stats(loss_fn, params, make_batch, shape, **options)
+    assert (est.param_bytes, est.grad_bytes) == (param_bytes, grad_bytes)
+    assert {k: getattr(est, k) for k in stats} == stats
+
+
+def test_tensor_parallel_steps_are_refused_clearly():
+    loss_fn, params, _, _ = _mlp(L=2, D=64, B=8)
+    with pytest.raises(sf.SpecError, match="sf.estimate: param_specs"):
+        sf.estimate(loss_fn, params, (8, 64), {"data": 2, "model": 2}, param_specs=sf.P(None, "model"))
 
 
 def test_options_are_followed_exactly():
