@@ -236,7 +236,8 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
         default `dtype`; e.g. `((8, 128), torch.long)` for token ids).
       mesh_shape: the target mesh, e.g. `{"data": 8}` or `8` (at most 16 ranks).
       optimizer: an `sf.optim` transformation; its `init` runs on the meta shards.
-      dtype, batch_dtype: the dtypes of leaves given as bare shapes.
+      dtype: the dtype of parameter leaves given as bare shapes.
+      batch_dtype: the dtype of batch leaves given as bare shapes (default: `dtype`).
       rest: extra positional arguments of `loss_fn` (after the batch).
       use_func: differentiate with `torch.func.grad_and_value(step)` instead of
         `step.grad_and_value` (the path `sf.train_step` takes by default). `torch.func`
