@@ -5,13 +5,15 @@ step runs on meta tensors, so this takes seconds on a laptop. The page's table s
 between two markers and is rewritten from this script; tests/test_estimate.py checks that
 the page holds what this script prints.
 
-    python -m benchmarks.will_it_fit            # print the table (markdown)
+    python -m benchmarks.will_it_fit            # print the table (markdown), write results/will_it_fit.json
     python -m benchmarks.will_it_fit --write    # and put it into docs/howto/will-it-fit.md
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import re
 
@@ -21,6 +23,7 @@ import shardfn as sf
 from shardfn._estimate import format_bytes
 from shardfn.testing.models import GPT, GPTConfig
 
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "howto", "will-it-fit.md")
 BEGIN, END = "<!-- begin table: python -m benchmarks.will_it_fit --write -->", "<!-- end table -->"
 
@@ -76,14 +79,21 @@ def write(table: str, path: str = PAGE) -> None:
         f.write(text.replace(BEGIN + "\n" + old + "\n" + END, BEGIN + "\n" + table + "\n" + END))
 
 
-def main() -> None:
+def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"rewrite the table in {os.path.relpath(PAGE)}")
-    args = parser.parse_args()
-    table = markdown_table(estimates())
+    parser.add_argument("--out", default=os.path.join(RESULTS, "will_it_fit"), help="JSON path, without .json")
+    args = parser.parse_args(argv)
+    results = estimates()
+    table = markdown_table(results)
     print(table)
+    rows = [dict(dataclasses.asdict(est), total=est.total) for est in results]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w", encoding="utf-8") as f:
+        json.dump({"config": dataclasses.asdict(CONFIG), "batch": [BATCH, SEQ], "results": rows}, f, indent=1)
     if args.write:
         write(table)
+    return rows
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ __all__ = ["estimate", "Estimate"]
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """What one rank holds and moves in one `shard` step (bytes; the largest over ranks).
+    """What one rank holds and moves in one `shard` step (bytes; each the largest over ranks).
 
     `total` is what the rank needs at the step's peak: the parameter shards and optimizer
     state, which live across steps, plus `peak_step_bytes`, the most bytes the forward and
@@ -205,6 +205,27 @@ class _Tracker(TorchDispatchMode):
         self.keys.pop(key, None)
         self.live -= n
 
+    def watch(self, state) -> None:
+        """Start recording a step of `state` (a `RankState` whose units have their buffers
+        from an earlier call): its units' unsharded buffers are counted while they hold
+        storage, and every change of its gathered bytes is a moment to sample."""
+        units = state.units
+        self.exclude = {u._full_data.untyped_storage()._cdata for u in units if u._full_data is not None}
+        self.extra = lambda: sum(u.nbytes for u in units if u.full_held)
+        self.gathered = lambda: state.stats.live
+        hold = state.stats.hold
+
+        def hold_and_sample(nbytes: int) -> None:
+            hold(nbytes)
+            self.sample()
+
+        state.stats.hold = hold_and_sample  # this instance only
+        self.recording = True
+
+    def unwatch(self, state) -> None:
+        self.recording = False
+        del state.stats.hold
+
     def sample(self) -> None:
         if not self.recording:
             return
@@ -225,8 +246,9 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
     collective bytes are exact (they come from the step's own `stats()`); activations are
     the storages the ops create, alive at once, so they follow the program as written:
     compare `estimate(loss_fn)` with `estimate(remat(loss_fn))` to see what recomputation
-    saves. Not counted: the process group's own buffers (gloo on CPU copies each
-    all-gather through a scratch buffer of one unit), allocator rounding and fragmentation.
+    saves. Not counted: the process group's own buffers (gloo on CPU copies a collective
+    through a buffer of its own: `scratch_bytes` bounds it), the CUDA context, allocator
+    rounding and fragmentation, and the optimizer update's temporaries.
 
     Args:
       loss_fn: `loss_fn(params, batch, *rest) -> scalar`, as for `sf.shard`.
@@ -248,9 +270,10 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
 
     Returns:
       An `Estimate`: `param_bytes`, `grad_bytes`, `opt_state_bytes`, `peak_gathered_bytes`,
-      `peak_activation_bytes`, `peak_step_bytes`, `all_gather_bytes`,
-      `reduce_scatter_bytes`, `all_reduce_bytes`, `num_collectives` and `total`, for the
-      rank that needs the most; `print(est)` shows a table.
+      `peak_activation_bytes`, `peak_step_bytes`, `scratch_bytes`, `all_gather_bytes`,
+      `reduce_scatter_bytes`, `all_reduce_bytes`, `num_collectives` and `total`, each the
+      largest over the ranks (they differ only where a dim does not divide evenly);
+      `print(est)` shows a table.
 
     Example:
       >>> import shardfn as sf, torch
@@ -289,31 +312,19 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
             with tracker:
                 step(shards, batch, *rest)  # learn the access order, as a training loop's first step does
                 state = step._state(step._plan_for(shards))
-                units = state.units
-                tracker.exclude = {u._full_data.untyped_storage()._cdata for u in units if u._full_data is not None}
-                tracker.extra = lambda: sum(u.nbytes for u in units if u.full_held)
-                tracker.gathered = lambda: state.stats.live
-                hold = state.stats.hold
-
-                def hold_and_sample(nbytes: int) -> None:
-                    hold(nbytes)
-                    tracker.sample()
-
-                state.stats.hold = hold_and_sample
                 scratch = [0]
 
                 def note(op: str, axes, nbytes: int) -> None:
                     if op in ("all_gather", "reduce_scatter"):
                         scratch[0] = max(scratch[0], nbytes)
 
-                tracker.recording = True
+                tracker.watch(state)
                 try:
                     with ops.recording(note):
                         grads, _ = grad_and_value(shards, batch, *rest)
                     tracker.sample()
                 finally:
-                    tracker.recording = False
-                    del state.stats.hold
+                    tracker.unwatch(state)
             stats = step.stats()
         return dict(
             param_bytes=_nbytes(shards), grad_bytes=_nbytes(grads), opt_state_bytes=_nbytes(opt_state),
