@@ -18,6 +18,8 @@ from ._collectives import pmin as pmin
 from ._collectives import ppermute as ppermute
 from ._collectives import psum as psum
 from ._collectives import psum_scatter as psum_scatter
+from ._estimate import Estimate as Estimate
+from ._estimate import estimate as estimate
 from ._errors import CollectiveTimeoutError as CollectiveTimeoutError
 from ._errors import DesyncError as DesyncError
 from ._errors import NonFiniteError as NonFiniteError
@@ -47,6 +49,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "CollectiveTimeoutError",
     "DesyncError",
+    "Estimate",
     "Mesh",
     "MixedPrecision",
     "NonFiniteError",
@@ -61,6 +64,7 @@ __all__ = [
     "axis_index",
     "axis_size",
     "checkpoint",
+    "estimate",
     "functional",
     "gather",
     "init",

@@ -36,6 +36,9 @@ __all__ = [
     "FORCE_FALLBACK",
     "recording",
     "Collective",
+    "meta_run",
+    "in_meta_run",
+    "same_memory",
 ]
 
 def plain_mode() -> contextlib.ExitStack:
@@ -57,6 +60,41 @@ def _plain_op(fn):
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+# [Note: meta tensors] `sf.estimate` runs a step on meta tensors (shapes and dtypes, no
+# data). A collective on a meta tensor returns a meta result of the right shape at once:
+# it is recorded (`recording`) like a real one, but never reaches the process group, so
+# the ranks of a dry run need not even issue the same collectives at the same time. An
+# async one keeps its input and output alive until it is waited, as a work object does,
+# so that a dry run holds the buffers a real run holds.
+_meta_run = threading.local()
+
+
+@contextlib.contextmanager
+def meta_run():
+    """Mark this thread as running a dry run on meta tensors ([Note: meta tensors]): layers
+    above may then accept meta leaves they would otherwise refuse."""
+    depth = getattr(_meta_run, "depth", 0)
+    _meta_run.depth = depth + 1
+    try:
+        yield
+    finally:
+        _meta_run.depth = depth
+
+
+def in_meta_run() -> bool:
+    return getattr(_meta_run, "depth", 0) > 0
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors start at the same memory: `data_ptr()` equality, except on meta
+    tensors, whose `data_ptr()` is always 0. (Real tensors are not asked for their storage:
+    a storage's Python object, once made, must be released under the GIL, which delays
+    frees that gloo's threads make.)"""
+    if a.is_meta or b.is_meta:
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+    return a.data_ptr() == b.data_ptr()
 
 
 FORCE_FALLBACK: set[str] = set()  # op names to run through their fallback (tests)
@@ -163,6 +201,8 @@ def all_reduce(group: Group, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if group.size == 1:
         return out
     _note("all_reduce", group, out)
+    if out.is_meta:  # [Note: meta tensors]
+        return out
     what = _describe(f"all_reduce[{op}]", out)
     seq = group.backend.begin(group, what)
     group.backend.wait(_all_reduce_work(group, out, op), group, what, seq)
@@ -202,6 +242,8 @@ def all_gather_async(group: Group, x: torch.Tensor, out: torch.Tensor | None = N
     if out is None:
         out = torch.empty((k,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     _note("all_gather", group, out)
+    if x.is_meta:  # [Note: meta tensors] holding its buffers until waited, as a process group's work does
+        return Pending(None, group, "", 0, lambda: _blocks_to_logical(group, (x, out)[1]))
 
     def direct():
         work = group.pg._allgather_base(out.view(-1), x.view(-1))
@@ -235,6 +277,8 @@ def reduce_scatter_async(group: Group, x: torch.Tensor, out: torch.Tensor | None
         out = torch.empty(tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _note("reduce_scatter", group, x)
     x_pg = _blocks_to_pg(group, x)
+    if x.is_meta:  # [Note: meta tensors] holding its buffers until waited, as a process group's work does
+        return Pending(None, group, "", 0, lambda: (x_pg, out)[1])
 
     def direct():
         opts = dist.ReduceScatterOptions()
@@ -280,6 +324,9 @@ def all_to_all(group: Group, x: torch.Tensor, split_dim: int, concat_dim: int) -
         received = received.movedim(1, split_dim + 1)  # each block back in x's dim order
         return received.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
 
+    if x.is_meta:  # [Note: meta tensors]
+        return finish(out)
+
     def direct():
         work = group.pg.alltoall_base(out, blocks, [], [], dist.AllToAllOptions())
         return work, lambda: finish(out)
@@ -318,6 +365,9 @@ def ppermute(group: Group, x: torch.Tensor, perm: Sequence[tuple[int, int]]) -> 
 
     def finish():
         return recv.view(x.shape) if src is not None else torch.zeros_like(x)
+
+    if x.is_meta:  # [Note: meta tensors]
+        return finish()
 
     def direct():
         work = group.pg.alltoall_base(recv, send, out_splits, in_splits, dist.AllToAllOptions())

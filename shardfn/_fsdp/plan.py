@@ -26,6 +26,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from .. import _tree
+from .._backend import ops
 from .._backend.base import coords_rank, rank_coords
 from .._errors import ShardingError, SpecError, bullet_list
 from .._spec import PartitionSpec, chunk_bounds
@@ -155,7 +156,7 @@ def build_plan(params, k: int, units, replicated: Callable[[tuple], bool] | None
                 f"{_describe_leaf(path, leaf)} is a {type(leaf).__name__}, not a tensor; fix: make it a "
                 f"tensor, or keep non-tensor settings out of the params tree (close over them)"
             )
-        elif leaf.device.type == "meta" and not allow_meta:
+        elif leaf.device.type == "meta" and not (allow_meta or ops.in_meta_run()):  # init_shards, sf.estimate
             problems.append(
                 f"{_describe_leaf(path, leaf)} is on the meta device (it has no data to shard); fix: "
                 f"materialize it first (e.g. module.to_empty(device=...) and initialize), or describe it with "

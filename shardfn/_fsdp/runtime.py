@@ -192,7 +192,7 @@ class UnitRuntime:
             send = pack_shards(plan, self.shards, self.dtype, g.device)
             direct = into_buffer and len(plan.sharded) == 1
             out = self._alloc_full().view(plan.k, plan.shard_numel) if direct else None
-        fresh = not self.gathering_kept and all(send.data_ptr() != x.data_ptr() for x in self.shards)
+        fresh = not self.gathering_kept and not any(ops.same_memory(send, x) for x in self.shards)
         self.send_bytes = send.numel() * send.element_size() if fresh else 0  # a shard itself is no new buffer
         self.apart_bytes = 0 if out is not None else self.nbytes  # a separate all-gather output
         self.stats.hold(self.send_bytes + self.apart_bytes)
