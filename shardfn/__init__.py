@@ -17,6 +17,7 @@ from ._collectives import pmin as pmin
 from ._collectives import ppermute as ppermute
 from ._collectives import psum as psum
 from ._collectives import psum_scatter as psum_scatter
+from ._collectives import ragged_all_to_all as ragged_all_to_all
 from ._errors import CollectiveTimeoutError as CollectiveTimeoutError
 from ._errors import DesyncError as DesyncError
 from ._errors import NonFiniteError as NonFiniteError
@@ -71,6 +72,7 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "ragged_all_to_all",
     "remat",
     "remat_policies",
     "scatter",
