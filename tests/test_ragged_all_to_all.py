@@ -604,3 +604,168 @@ def test_vmap_and_fallback_on_processes(warm_functorch):
         for b in range(3):
             torch.testing.assert_close(batched[b], expect[b][i], **TOL)
         torch.testing.assert_close(fallback, expect[0][i], **TOL)
+
+
+# -- uneven blocks in the other collectives ----------------------------------------------
+#
+# all_gather, psum, pmax, ppermute and all_to_all need the same shape on every rank, and
+# psum_scatter / all_to_all a split dim that divides by (tiled) or equals (untiled) the
+# axis size. torch.chunk blocks of a dim that does not divide are uneven (5 rows over 2
+# ranks: 3 and 2). Each case below must be a clear error, never a hang or garbage: a
+# SpecError for a shape the op can check locally, a DesyncError naming both shapes for a
+# mismatch between ranks (the simulated mesh always compares collectives; on processes,
+# `init_mesh(..., check_collectives=True)` or SHARDFN_CHECK_COLLECTIVES=1 does). The way to
+# move uneven blocks is ragged_all_to_all (test_uneven_all_gather_by_ragged_all_to_all).
+
+
+UNEVEN_MISMATCH = {
+    "psum": lambda b: sf.psum(b, "x"),
+    "pmax": lambda b: sf.pmax(b, "x"),
+    "all_gather": lambda b: sf.all_gather(b, "x"),
+    "all_gather-dim1": lambda b: sf.all_gather(b, "x", dim=1),
+    "all_gather-untiled": lambda b: sf.all_gather(b, "x", tiled=False),
+    "ppermute": lambda b: sf.ppermute(b, "x", [(0, 1), (1, 0)]),
+    "all_to_all-split1": lambda b: sf.all_to_all(b, "x", 1, 0),  # dim 1 (2) divides; dim 0 differs
+}
+
+
+@pytest.mark.parametrize("op", list(UNEVEN_MISMATCH))
+def test_uneven_torch_chunk_blocks_are_a_desync_error(op):
+    mesh = mesh_for({"x": 2})
+    x = torch.arange(10.0).reshape(5, 2)  # torch.chunk over 2 ranks: 3 rows and 2 rows
+    f = sf.shard_map(UNEVEN_MISMATCH[op], mesh, P("x"), P("x"), check=False)
+    with pytest.raises(sf.DesyncError, match=r"(?s)collectives out of step over mesh axes \('x',\).*"
+                                             r"shape=\((1, )?[23], 2\).*but rank [01] issued .*shape=\((1, )?[23], 2\)"):
+        mesh.run(lambda: f(torch.chunk(x, 2)[mesh.rank]))
+
+
+@pytest.mark.parametrize("op,match", [
+    ("psum_scatter", r"psum_scatter\(axis='x', dim=0, tiled=True\): x has shape \(3, 2\); dim 0 has size 3, "
+                     r"which must be divisible by the axis size 2"),
+    ("all_to_all", r"all_to_all\(axis='x', split_dim=0, tiled=True\): x has shape \(3, 2\); split dim 0 has size "
+                   r"3, which must be divisible by the axis size 2"),
+])
+def test_uneven_torch_chunk_blocks_split_on_dim0(op, match):
+    """The rank with 3 rows finds it locally; the rank with 2 rows is stopped."""
+    mesh = mesh_for({"x": 2})
+    x = torch.arange(10.0).reshape(5, 2)
+    prog = (lambda b: sf.psum_scatter(b, "x")) if op == "psum_scatter" else (lambda b: sf.all_to_all(b, "x", 0, 0))
+    f = sf.shard_map(prog, mesh, P("x"), P("x"), check=False)
+    with pytest.raises(sf.SpecError, match=match):
+        mesh.run(lambda: f(torch.chunk(x, 2)[mesh.rank]))
+
+
+@pytest.mark.parametrize("call,shape,match", [
+    (lambda b: sf.psum_scatter(b, "x", tiled=False), (3, 2),
+     r"psum_scatter\(axis='x', dim=0, tiled=False\): x has shape \(3, 2\); dim 0 has size 3, which must be equal "
+     r"to the axis size 2"),
+    (lambda b: sf.psum_scatter(b, ("x", "y"), dim=1), (2, 6),
+     r"psum_scatter\(axis=\('x', 'y'\), dim=1, tiled=True\): x has shape \(2, 6\); dim 1 has size 6, which must "
+     r"be divisible by the axis size 4.\nFix: pad dim 1 to a multiple of 4"),
+    (lambda b: sf.psum_scatter(b, ("y", "x"), dim=-1), (2, 5),
+     r"psum_scatter\(axis=\('y', 'x'\), dim=-1, tiled=True\): x has shape \(2, 5\); dim 1 has size 5"),
+    (lambda b: sf.all_to_all(b, "y", 0, 1, tiled=False), (3, 2),
+     r"all_to_all\(axis='y', split_dim=0, tiled=False\): x has shape \(3, 2\); split dim 0 has size 3, which "
+     r"must be equal to the axis size 2"),
+    (lambda b: sf.all_to_all(b, ("x", "y"), 1, 0), (4, 6),
+     r"all_to_all\(axis=\('x', 'y'\), split_dim=1, tiled=True\): x has shape \(4, 6\); split dim 1 has size 6, "
+     r"which must be divisible by the axis size 4"),
+    (lambda b: sf.all_to_all(b, "x", -1, 0), (4, 3),
+     r"split dim 1 has size 3, which must be divisible by the axis size 2"),
+], ids=["psum_scatter-untiled", "psum_scatter-tuple-dim1", "psum_scatter-neg-dim", "all_to_all-untiled",
+        "all_to_all-tuple-split1", "all_to_all-neg-split"])
+def test_indivisible_split_dims_are_spec_errors(call, shape, match):
+    mesh = mesh_for({"x": 2, "y": 2})
+    f = sf.shard_map(call, mesh, P(), P(), check=False)
+    with pytest.raises(sf.SpecError, match=match):
+        mesh.run(lambda: f(torch.zeros(shape)))
+
+
+@pytest.mark.parametrize("n,shape,spec", [
+    (5, {"x": 2}, P("x")), (2, {"x": 3}, P("x")), (7, {"x": 4}, P("x")),
+    (7, {"x": 2, "y": 2}, P(("x", "y"))), (5, {"x": 2, "y": 2}, P("y", "x")),
+], ids=["5-on-2", "2-on-3-empty", "7-on-4", "7-on-2x2", "5x3-on-2x2-2d"])
+def test_scatter_gather_uneven_torch_chunk_blocks(n, shape, spec):
+    """scatter hands out torch.chunk blocks (trailing ranks fewer or none); gather puts them
+    back; scatter's backward is gather, gather's backward takes this rank's block."""
+    from shardfn.testing._reference import split_blocks
+
+    mesh = mesh_for(shape)
+    gen = torch.Generator().manual_seed(n)
+    X = torch.randn(n, 3, generator=gen, dtype=DTYPE)
+    blocks = split_blocks(X, spec, mesh.shape)
+    cts = [torch.randn(b.shape, generator=gen, dtype=DTYPE) for b in blocks]
+    full_ct = torch.randn(X.shape, generator=gen, dtype=DTYPE)
+    if len(spec) == 1:  # dim-0 sharding: the blocks are torch.chunk's, padded with empty blocks
+        chunks = list(torch.chunk(X, mesh.size))
+        chunks += [X[:0]] * (mesh.size - len(chunks))
+        assert sorted(b.shape[0] for b in blocks) == sorted(c.shape[0] for c in chunks)
+
+    def body():
+        r = mesh.rank
+        Xs = X.clone().requires_grad_()
+        block = sf.scatter(Xs, mesh, spec)
+        (block * cts[r]).sum().backward()
+        xb = blocks[r].clone().requires_grad_()
+        full = sf.gather(xb, mesh, spec)
+        (full * full_ct).sum().backward()
+        g_func = torch.func.grad(lambda b: (sf.gather(b, mesh, spec) * full_ct).sum())(blocks[r])
+        _, tan = torch.func.jvp(lambda t: sf.scatter(t, mesh, spec), (X,), (full_ct,))
+        return block.detach(), Xs.grad, full.detach(), xb.grad, g_func, tan
+
+    from shardfn.testing._reference import join_blocks
+
+    want_grad_X = join_blocks(cts, spec, mesh.shape)  # every rank's block cotangent, put back
+    for r, (block, gX, full, gx, g_func, tan) in enumerate(mesh.run(body)):
+        assert block.shape == blocks[r].shape
+        torch.testing.assert_close(block, blocks[r], rtol=0, atol=0)
+        torch.testing.assert_close(gX, want_grad_X, **TOL)
+        torch.testing.assert_close(full, X, rtol=0, atol=0)
+        torch.testing.assert_close(gx, split_blocks(full_ct, spec, mesh.shape)[r], rtol=0, atol=0)
+        torch.testing.assert_close(g_func, gx, rtol=0, atol=0)
+        torch.testing.assert_close(tan, split_blocks(full_ct, spec, mesh.shape)[r], rtol=0, atol=0)
+
+
+def test_uneven_all_gather_by_ragged_all_to_all():
+    """The recipe for gathering uneven blocks: every rank sends its whole block to every peer,
+    at the block's global row offset. Gradient: each rank's block gets the sum over ranks of
+    its rows' cotangents (all_gather's transpose, psum_scatter, on uneven blocks)."""
+    mesh = mesh_for({"x": 3})
+    X = torch.randn(7, 2, generator=torch.Generator().manual_seed(13), dtype=DTYPE)
+    sizes = [len(c) for c in torch.chunk(X, 3)]  # 3, 3, 1
+    starts = [sum(sizes[:i]) for i in range(3)]
+    cts = [torch.randn(7, 2, generator=torch.Generator().manual_seed(14 + i), dtype=DTYPE) for i in range(3)]
+
+    def gather_uneven(b):
+        i = sf.axis_index("x")
+        return sf.ragged_all_to_all(b, b.new_zeros(7, 2), [0] * 3, [sizes[i]] * 3, [starts[i]] * 3, sizes, "x")
+
+    f = sf.shard_map(gather_uneven, mesh, P("x"), P("x"), check=False)
+
+    def body():
+        b = torch.chunk(X, 3)[mesh.rank].clone().requires_grad_()
+        full = f(b)
+        (full * cts[mesh.rank]).sum().backward()
+        return full.detach(), b.grad
+
+    total = sum(cts)
+    for r, (full, grad) in enumerate(mesh.run(body)):
+        torch.testing.assert_close(full, X, rtol=0, atol=0)
+        torch.testing.assert_close(grad, torch.chunk(total, 3)[r], **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_uneven_blocks_on_processes_with_check_collectives(warm_functorch):
+    """On processes a shape mismatch is caught by check_collectives (off by default: gloo
+    then aborts a rank with "Received data size doesn't match expected size")."""
+    from shardfn.testing import run_on_mesh
+
+    x = torch.arange(10.0).reshape(5, 2)
+
+    def body(mesh):
+        f = sf.shard_map(lambda b: sf.all_gather(b, "x"), mesh, P("x"), P("x"), check=False)
+        return f(torch.chunk(x, 2)[mesh.rank])
+
+    with pytest.raises(Exception, match=r"DesyncError: collectives out of step over mesh axes \('x',\)"):
+        run_on_mesh(body, {"x": 2}, backend="distributed", env={"SHARDFN_CHECK_COLLECTIVES": "1"})
