@@ -604,11 +604,12 @@ def ragged_all_to_all(operand: torch.Tensor, output: torch.Tensor, input_offsets
     Args:
       operand: rows to send, `(n_in, *rest)`.
       output: the buffer received rows are written into, `(n_out, *rest)`.
-      input_offsets, send_sizes: where chunk j starts in `operand` and its row count.
+      input_offsets: where chunk j starts in `operand`.
+      send_sizes: rows of chunk j.
       output_offsets: where chunk j starts in peer j's `output`.
-      recv_sizes: rows received from each peer.
-        Each of the four: a 1-D integer tensor or a list of ints, one entry per rank of
-        `axis`; shared by a vmapped batch (not batched themselves).
+      recv_sizes: rows received from each peer. Each of these four is a 1-D integer
+        tensor or a list of ints, one entry per rank of `axis`, shared by a vmapped batch
+        (not batched itself).
       axis: a mesh axis name or tuple of names.
       check: also agree, with one all-reduce, that every rank's arguments are valid, so
         that every rank raises together (without it, only the rank that finds a problem
