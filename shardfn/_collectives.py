@@ -469,19 +469,21 @@ class _RaggedPlan:
     def transposed(self) -> "_RaggedPlan":
         return _RaggedPlan(self.recv_offsets, self.recv_sizes, self.send_offsets, self.send_sizes, True)
 
-    def rows(self, offsets, sizes, device) -> torch.Tensor:
-        idx = [r for o, n in zip(offsets, sizes) for r in range(o, o + n)]
-        return torch.tensor(idx, dtype=torch.int64, device=device)
+    @staticmethod
+    def rows(offsets, sizes, device) -> torch.Tensor:
+        """The row indices of the chunks, concatenated: offsets[j] .. offsets[j] + sizes[j] - 1."""
+        n = torch.tensor(sizes, dtype=torch.int64, device=device)
+        shift = torch.tensor(offsets, dtype=torch.int64, device=device) - (torch.cumsum(n, 0) - n)
+        return torch.arange(int(sum(sizes)), dtype=torch.int64, device=device) + torch.repeat_interleave(shift, n)
 
 
 class _RaggedAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(operand, output, group, plan):
-        packed = torch.cat([operand[o:o + n] for o, n in zip(plan.send_offsets, plan.send_sizes)])
+        packed = operand.index_select(0, plan.rows(plan.send_offsets, plan.send_sizes, operand.device))
         received = ops.ragged_all_to_all(group, packed, plan.send_sizes, plan.recv_sizes)
         result = output.clone(memory_format=torch.contiguous_format)
         rows = plan.rows(plan.recv_offsets, plan.recv_sizes, result.device)
-        received = received.to(result.dtype)
         return result.index_add_(0, rows, received) if plan.accumulate else result.index_copy_(0, rows, received)
 
     @staticmethod

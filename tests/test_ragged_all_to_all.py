@@ -190,6 +190,8 @@ LAYOUTS = {
     # one direction only, and overlapping operand rows (rows 1..2 sent to both peers)
     "3-overlap-in": Ragged(3, 4, 6, in_off=[[0, 1, 1], [0, 0, 0], [2, 0, 3]], send=[[2, 2, 2], [0, 0, 0], [1, 0, 1]],
                            out_off=[[0, 0, 4], [0, 0, 0], [5, 0, 0]]),
+    # a zero-size chunk at the offset where another chunk starts, and adjacent chunks
+    "2-zero-at-start": Ragged(2, 3, 4, in_off=[[0, 1], [2, 0]], send=[[2, 0], [1, 2]], out_off=[[0, 0], [2, 0]]),
     # uneven with zero-size chunks and gaps
     "4-uneven": Ragged(4, 5, 7, in_off=[[0, 1, 4, 2], [3, 0, 0, 1], [0, 0, 2, 4], [1, 1, 0, 0]],
                        send=[[1, 3, 0, 2], [2, 0, 4, 1], [0, 1, 3, 1], [2, 2, 0, 0]],
