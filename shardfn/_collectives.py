@@ -35,6 +35,7 @@ __all__ = [
     "psum_scatter",
     "ppermute",
     "all_to_all",
+    "ragged_all_to_all",
     "axis_index",
     "axis_size",
     "bound_mesh",
@@ -447,6 +448,256 @@ def all_to_all(x: torch.Tensor, axis, split_dim: int, concat_dim: int, tiled: bo
         moved = x.movedim(s, 0)  # (k, *rest): piece j goes to rank j
         return _AllToAll.apply(moved, group, 0, 0).movedim(0, c)
     return _AllToAll.apply(x, group, s, _dim(concat_dim, x.dim(), "all_to_all", "concat_dim"))
+
+
+# -- ragged_all_to_all -----------------------------------------------------------------
+#
+# [Note: ragged offsets] JAX's signature, JAX's meaning: on rank i, chunk j is
+# operand[input_offsets[j] : input_offsets[j] + send_sizes[j]] and lands in peer j's
+# `output` at rows output_offsets[j] : output_offsets[j] + send_sizes[j] — offsets in the
+# RECEIVER's buffer, supplied by the sender. The receiver needs them, so the public
+# function exchanges (output_offsets, send_sizes) with one all_to_all of k x 2 int64s and
+# hands `_RaggedAllToAll` a purely local plan: where each outgoing chunk starts in
+# `operand`, and where each incoming chunk goes in `output`. In that form the transpose
+# needs no exchange at all: it is the same op with the roles swapped (send from the
+# output cotangent at the receive offsets, receive into the operand at input_offsets).
+# Operand chunks may overlap (the same rows sent to several peers), so the transpose adds
+# what it receives (`accumulate=True`); incoming chunks of the forward may not overlap
+# (checked), so its receive side may overwrite.
+
+
+class _RaggedPlan:
+    """Local rows of one ragged all-to-all (plain object: functorch rebuilds containers).
+
+    send_offsets/send_sizes index the operand by destination axis index; recv_offsets/
+    recv_sizes index the output by source axis index; `accumulate` adds received rows
+    instead of overwriting them."""
+
+    __slots__ = ("send_offsets", "send_sizes", "recv_offsets", "recv_sizes", "accumulate")
+
+    def __init__(self, send_offsets, send_sizes, recv_offsets, recv_sizes, accumulate=False):
+        self.send_offsets, self.send_sizes = tuple(send_offsets), tuple(send_sizes)
+        self.recv_offsets, self.recv_sizes = tuple(recv_offsets), tuple(recv_sizes)
+        self.accumulate = accumulate
+
+    def transposed(self) -> "_RaggedPlan":
+        return _RaggedPlan(self.recv_offsets, self.recv_sizes, self.send_offsets, self.send_sizes, True)
+
+    @staticmethod
+    def rows(offsets, sizes, device) -> torch.Tensor:
+        """The row indices of the chunks, concatenated: offsets[j] .. offsets[j] + sizes[j] - 1."""
+        n = torch.tensor(sizes, dtype=torch.int64, device=device)
+        shift = torch.tensor(offsets, dtype=torch.int64, device=device) - (torch.cumsum(n, 0) - n)
+        return torch.arange(int(sum(sizes)), dtype=torch.int64, device=device) + torch.repeat_interleave(shift, n)
+
+
+class _RaggedAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(operand, output, group, plan):
+        packed = operand.index_select(0, plan.rows(plan.send_offsets, plan.send_sizes, operand.device))
+        received = ops.ragged_all_to_all(group, packed, plan.send_sizes, plan.recv_sizes)
+        result = output.clone(memory_format=torch.contiguous_format)
+        rows = plan.rows(plan.recv_offsets, plan.recv_sizes, result.device)
+        return result.index_add_(0, rows, received) if plan.accumulate else result.index_copy_(0, rows, received)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        operand, out, ctx.group, ctx.plan = inputs
+        ctx.operand_meta = (tuple(operand.shape), operand.dtype, operand.device)
+        ctx.output_meta = (tuple(out.shape), out.dtype, out.device)
+
+    @staticmethod
+    def backward(ctx, g):  # transpose: the same op, roles swapped, received rows added up
+        plan = ctx.plan
+        g_operand = g_output = None
+        if ctx.needs_input_grad[0]:
+            shape, dtype, device = ctx.operand_meta
+            zeros = torch.zeros(shape, dtype=g.dtype, device=device)
+            g_operand = _RaggedAllToAll.apply(g, zeros, ctx.group, plan.transposed())
+        if ctx.needs_input_grad[1]:
+            g_output = g
+            if not plan.accumulate:  # overwritten rows of the buffer get no gradient
+                keep = torch.ones(g.shape[0], dtype=g.dtype, device=g.device)
+                keep[plan.rows(plan.recv_offsets, plan.recv_sizes, g.device)] = 0
+                g_output = g * keep.reshape((-1,) + (1,) * (g.dim() - 1))
+        return g_operand, g_output, None, None
+
+    @staticmethod
+    def jvp(ctx, t_operand, t_output, _g, _p):
+        if t_operand is None:
+            shape, _, device = ctx.operand_meta
+            t_operand = torch.zeros(shape, dtype=t_output.dtype, device=device)
+        if t_output is None:
+            shape, _, device = ctx.output_meta
+            t_output = torch.zeros(shape, dtype=t_operand.dtype, device=device)
+        return _RaggedAllToAll.apply(t_operand, t_output, ctx.group, ctx.plan)
+
+    @staticmethod
+    def vmap(info, in_dims, operand, output, group, plan):
+        # rows stay dim 0, the batch goes to dim 1: the same rows move, each carrying B items
+        def batched(x, d):
+            if d is None:
+                return x.unsqueeze(1).expand((x.shape[0], info.batch_size) + tuple(x.shape[1:]))
+            return x.movedim(d, 1)
+
+        return _RaggedAllToAll.apply(batched(operand, in_dims[0]), batched(output, in_dims[1]), group, plan), 1
+
+
+_RAGGED_ARGS = ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+
+
+def _ragged_ints(value, what: str, k: int, where: str) -> tuple[int, ...]:
+    """A length-k tuple of Python ints from a 1-D integer tensor or a list of ints."""
+    if isinstance(value, torch.Tensor):
+        if torch._C._functorch.is_batchedtensor(value):
+            raise SpecError(
+                f"{where}: {what} is batched by vmap; per-example ragged layouts are not supported.\nFix: vmap "
+                f"over the data only (sizes and offsets shared by the batch, e.g. in_dims=None for them), or "
+                f"loop over the examples.")
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise SpecError(f"{where}: {what} must hold integers, got dtype {value.dtype}.\nFix: "
+                            f"{what}.to(torch.int64).")
+        if value.dim() != 1 or value.shape[0] != k:
+            raise SpecError(f"{where}: {what} must be 1-D with one entry per rank of the axis (length {k}), "
+                            f"got shape {tuple(value.shape)}.")
+        try:
+            return tuple(int(v) for v in value.detach().cpu().tolist())
+        except RuntimeError as err:  # a wrapper without storage that is_batchedtensor did not spot
+            raise SpecError(f"{where}: cannot read the values of {what} ({err}); pass a plain tensor "
+                            f"or a list of ints.") from None
+    if isinstance(value, (list, tuple)):
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise SpecError(f"{where}: {what} must hold Python ints, got {list(value)!r:.80}.")
+        if len(value) != k:
+            raise SpecError(f"{where}: {what} must have one entry per rank of the axis (length {k}), got "
+                            f"length {len(value)}: {list(value)!r:.80}.")
+        return tuple(value)
+    raise SpecError(f"{where}: {what} must be a 1-D integer tensor or a list of {k} ints, got "
+                    f"{type(value).__name__} {value!r:.60}.")
+
+
+def _ragged_problems(operand, output, ints, incoming, me) -> list[str]:
+    """Everything wrong with this rank's arguments (empty when fine); `incoming[j]` is peer
+    j's (output_offsets[me], send_sizes[me])."""
+    in_off, send, out_off, recv = (ints[a] for a in _RAGGED_ARGS)
+    n_in, n_out = operand.shape[0], output.shape[0]
+    bad = [f"{a} has negative entries: {list(ints[a])}" for a in _RAGGED_ARGS if min(ints[a]) < 0]
+    bad += [f"input_offsets[{j}] + send_sizes[{j}] = {in_off[j]} + {send[j]} = {in_off[j] + send[j]} exceeds "
+            f"operand's {n_in} rows (operand shape {tuple(operand.shape)})"
+            for j in range(len(send)) if in_off[j] + send[j] > n_in]
+    if incoming is None:
+        return bad
+    for j, (o, n) in enumerate(incoming):
+        if n != recv[j]:
+            bad.append(f"recv_sizes[{j}] = {recv[j]}, but axis index {j} sends {n} rows here (its "
+                       f"send_sizes[{me}] = {n}): every rank's recv_sizes[j] must equal rank j's send_sizes[me]")
+        elif o + n > n_out:
+            bad.append(f"axis index {j} writes rows {o}:{o + n} here (its output_offsets[{me}] = {o}, "
+                       f"send_sizes[{me}] = {n}), beyond output's {n_out} rows (output shape {tuple(output.shape)})")
+    spans = sorted((o, o + n, j) for j, (o, n) in enumerate(incoming) if n > 0)
+    bad += [f"the chunks from axis indices {a[2]} (rows {a[0]}:{a[1]}) and {b[2]} (rows {b[0]}:{b[1]}) overlap "
+            f"in output" for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
+    return bad
+
+
+def ragged_all_to_all(operand: torch.Tensor, output: torch.Tensor, input_offsets, send_sizes, output_offsets,
+                      recv_sizes, axis, *, check: bool = False) -> torch.Tensor:
+    """All-to-all with a variable number of rows per peer (`jax.lax.ragged_all_to_all`).
+
+    On the rank at axis index i, for every peer j (axis index, row-major over `axis` as
+    given): rows `operand[input_offsets[j] : input_offsets[j] + send_sizes[j]]` are written
+    into **peer j's** `output` at rows `output_offsets[j] : output_offsets[j] + send_sizes[j]`.
+    As in JAX, `output_offsets` are offsets in the *receiver's* buffer, chosen by the sender
+    (see [Note: ragged offsets]); `recv_sizes[j]` is how many rows this rank receives from
+    peer j and must equal peer j's `send_sizes[i]`. Rows of `output` nobody writes keep their
+    values; the result is a new tensor (`output` is not modified). Rows are dim 0; operand
+    and output share dtype and trailing dims.
+
+    Cost: one all_to_all of `axis_size x 2` int64s (each receiver learns where its incoming
+    chunks go, and their sizes, which are checked against `recv_sizes`), then one uneven
+    all-to-all of the rows. The backward and jvp add no offset exchange.
+
+    Args:
+      operand: rows to send, `(n_in, *rest)`.
+      output: the buffer received rows are written into, `(n_out, *rest)`.
+      input_offsets: where chunk j starts in `operand`.
+      send_sizes: rows of chunk j.
+      output_offsets: where chunk j starts in peer j's `output`.
+      recv_sizes: rows received from each peer. Each of these four is a 1-D integer
+        tensor or a list of ints, one entry per rank of `axis`, shared by a vmapped batch
+        (not batched itself).
+      axis: a mesh axis name or tuple of names.
+      check: also agree, with one all-reduce, that every rank's arguments are valid, so
+        that every rank raises together (without it, only the rank that finds a problem
+        raises; its peers stop through the simulated mesh's abort, or time out on processes).
+
+    Returns:
+      `output` with the received chunks written in, `(n_out, *rest)`.
+
+    Raises:
+      SpecError: wrong types, dtypes or lengths; negative entries; a chunk past the end of
+        `operand` or of the receiver's `output`; `recv_sizes` that disagree with the
+        senders' `send_sizes`; incoming chunks that overlap.
+
+    Autodiff: linear in (operand, output). The operand's cotangent is the same op run back
+    (each received chunk's cotangent returns to its sender's rows, summed where rows were
+    sent twice; rows never sent get zero); the buffer's cotangent is the output's with the
+    written rows zeroed. jvp: the same op on the tangents. vmap: a batch dim on operand
+    and/or output (rows move with their whole batch).
+
+    Example:
+      >>> import shardfn as sf, torch
+      >>> mesh = sf.local_mesh({"ep": 2})
+      >>> def route(x):  # rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 1 and 1
+      ...     i = sf.axis_index("ep")
+      ...     send = [[1, 2], [1, 1]][i]
+      ...     recv = [[1, 1], [2, 1]][i]
+      ...     out_off = [[0, 0], [1, 2]][i]  # in the receiver's buffer
+      ...     return sf.ragged_all_to_all(x, torch.zeros(3), [0, 1], send, out_off, recv, "ep")
+      >>> f = sf.shard_map(route, mesh, sf.P("ep"), sf.P("ep"))
+      >>> f(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]))
+      tensor([1., 4., 0., 2., 3., 5.])
+    """
+    group = _group("ragged_all_to_all", axis)
+    k = group.size
+    where = f"ragged_all_to_all(axis={axis!r}, axis size {k})"
+    operand = _operand(operand, "ragged_all_to_all (operand)", group)
+    output = _operand(output, "ragged_all_to_all (output)", group)
+    _flag(check, "ragged_all_to_all", "check")
+    if operand.dim() == 0 or output.dim() == 0:
+        raise SpecError(f"{where}: operand and output need rank >= 1 (rows are dim 0), got shapes "
+                        f"{tuple(operand.shape)} and {tuple(output.shape)}; e.g. x.reshape(-1, 1).")
+    if operand.dtype != output.dtype or operand.shape[1:] != output.shape[1:]:
+        raise SpecError(f"{where}: operand and output must share dtype and trailing dims (rows are dim 0), got "
+                        f"operand {tuple(operand.shape)} {operand.dtype} and output {tuple(output.shape)} "
+                        f"{output.dtype}.")
+    values = dict(zip(_RAGGED_ARGS, (input_offsets, send_sizes, output_offsets, recv_sizes)))
+    ints = {a: _ragged_ints(v, a, k, where) for a, v in values.items()}
+    me = group.index
+    problems = _ragged_problems(operand, output, ints, None, me)
+    if problems and not check:
+        raise _ragged_error(where, me, problems)
+    mine = torch.tensor(list(zip(ints["output_offsets"], ints["send_sizes"])), dtype=torch.int64)
+    incoming = [tuple(r) for r in ops.all_to_all(group, mine.to(group.backend.device), 0, 0).cpu().tolist()]
+    problems = problems or _ragged_problems(operand, output, ints, incoming, me)
+    if check and k > 1:
+        flag = ops.all_reduce(group, torch.tensor([int(bool(problems))], device=group.backend.device), "max")
+        if int(flag) and not problems:
+            raise SpecError(f"{where}: another rank of the axis found invalid arguments (check=True stops "
+                            f"every rank here); its error names them.")
+    if problems:
+        raise _ragged_error(where, me, problems)
+    plan = _RaggedPlan(ints["input_offsets"], ints["send_sizes"], [o for o, _ in incoming], ints["recv_sizes"])
+    return _RaggedAllToAll.apply(operand, output, group, plan)
+
+
+def _ragged_error(where: str, me: int, problems: list[str]) -> SpecError:
+    items = "\n".join(f"  - {p}" for p in problems)
+    return SpecError(
+        f"{where} on axis index {me}:\n{items}\nFix: chunk j of operand is rows input_offsets[j] : "
+        f"input_offsets[j] + send_sizes[j]; it lands in peer j's output at rows output_offsets[j] : "
+        f"output_offsets[j] + send_sizes[j] (offsets in the receiver's buffer, as in JAX); recv_sizes[j] is "
+        f"what peer j sends here.")
 
 
 # -- indices ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ __all__ = [
     "reduce_scatter",
     "all_to_all",
     "ppermute",
+    "ragged_all_to_all",
     "Pending",
     "all_gather_async",
     "reduce_scatter_async",
@@ -106,7 +107,7 @@ _recorders = threading.local()
 class Collective(NamedTuple):
     """One collective as `recording` saw it: what this rank handed to the process group."""
 
-    op: str  # "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute"
+    op: str  # "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute", "ragged_all_to_all"
     axes: tuple  # the mesh axes of the group
     nbytes: int  # the logical (unsharded, padded) buffer: all-gather's output, reduce-scatter's input
     dtype: torch.dtype
@@ -378,3 +379,76 @@ def ppermute(group: Group, x: torch.Tensor, perm: Sequence[tuple[int, int]]) -> 
         return gathered[src].clone() if src is not None else torch.zeros_like(x)
 
     return _issue(group, "ppermute", x, direct, fallback).wait()
+
+
+@_plain_op
+def ragged_all_to_all(group: Group, x: torch.Tensor, send_sizes: Sequence[int],
+                      recv_sizes: Sequence[int]) -> torch.Tensor:
+    """Uneven all-to-all along dim 0: rows packed by destination in, rows packed by source out.
+
+    `x` has `sum(send_sizes)` rows: `send_sizes[0]` rows for logical index 0, then index 1's,
+    and so on. Returns `(sum(recv_sizes), *x.shape[1:])`: `recv_sizes[j]` rows from logical
+    index j, in index order. Sizes are rows (dim-0 entries) and per-rank knowledge: rank i's
+    `send_sizes[j]` must equal rank j's `recv_sizes[i]` (the caller checks; a mismatch is a
+    backend error or a hang). One `alltoall_base` with split sizes, on the flattened tensor
+    (element counts, so zero-row and zero-width chunks need no special case).
+    """
+    x = x.detach().contiguous()
+    k = group.size
+    rest = tuple(x.shape[1:])
+    row = 1
+    for d in rest:
+        row *= d
+    if k == 1:
+        return x.clone()
+    out = torch.empty((sum(recv_sizes),) + rest, dtype=x.dtype, device=x.device)
+    # the logical buffer: what this rank hands over (like ppermute, the send side)
+    _note("ragged_all_to_all", group, x)
+    pg_of = (lambda i: i) if group.perm is None else (lambda i: group.perm[i])
+    logical_of = [0] * k
+    for logical in range(k):
+        logical_of[pg_of(logical)] = logical
+    send_chunks = list(x.split(list(send_sizes)))
+    send = torch.cat([send_chunks[logical_of[p]].reshape(-1) for p in range(k)])
+    in_splits = [send_sizes[logical_of[p]] * row for p in range(k)]
+    out_splits = [recv_sizes[logical_of[p]] * row for p in range(k)]
+    recv = torch.empty(sum(out_splits), dtype=x.dtype, device=x.device)
+    # rank-independent description: the desync check compares it across ranks
+    what = f"ragged_all_to_all(row_shape={rest}, dtype={x.dtype})"
+
+    def finish():
+        pieces = recv.split(out_splits)  # pg order of the sources
+        if sum(out_splits):
+            torch.cat([pieces[pg_of(j)] for j in range(k)], out=out.view(-1))
+        return out
+
+    def direct():
+        work = group.pg.alltoall_base(recv, send, out_splits, in_splits, dist.AllToAllOptions())
+        return work, finish
+
+    def fallback():
+        # every rank's sizes and padded buffer, gathered; then pick the chunks sent to me
+        sizes = torch.tensor(list(send_sizes), dtype=torch.int64, device=x.device)
+        all_sizes = all_gather_async(group, sizes).wait()  # (k_src, k_dst) rows, logical order
+        longest = int(all_sizes.sum(1).max())
+        padded = torch.zeros((longest * row,), dtype=x.dtype, device=x.device)
+        padded[: x.numel()] = x.reshape(-1)
+        gathered = all_gather_async(group, padded).wait()  # (k_src, longest * row)
+        me = group.index
+        starts = torch.cumsum(all_sizes, 1) - all_sizes
+        pieces = [gathered[j, int(starts[j, me]) * row:(int(starts[j, me]) + recv_sizes[j]) * row]
+                  for j in range(k)]
+        if pieces and sum(recv_sizes):
+            torch.cat(pieces, out=out.view(-1))
+        return out
+
+    seq = group.backend.begin(group, what)
+    if _direct(group, "ragged_all_to_all"):
+        try:
+            work, fin = direct()
+            return Pending(work, group, what, seq, fin).wait()
+        except RuntimeError as err:
+            if not _unsupported(err):
+                raise
+            _MISSING.add((type(group.pg).__name__, "ragged_all_to_all"))
+    return Pending(None, group, what, seq, fallback).wait()
