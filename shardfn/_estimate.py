@@ -52,7 +52,7 @@ class Estimate:
     opt_state_bytes: int  # `optimizer.init(shards)`, sharded like the params
     peak_gathered_bytes: int  # step.stats()["peak_gathered_bytes"]
     peak_activation_bytes: int  # the most bytes the step allocates besides gathered parameters
-    peak_step_bytes: int  # the most bytes the step allocates at once, gathered parameters included
+    peak_step_bytes: int  # the most bytes the step allocates at once, gathered parameters and gloo's copies included
     scratch_bytes: int  # the largest all-gather / reduce-scatter buffer: what gloo (CPU) adds, copying through one
     all_gather_bytes: int
     reduce_scatter_bytes: int
@@ -229,7 +229,7 @@ class _Tracker(TorchDispatchMode):
     def sample(self) -> None:
         if not self.recording:
             return
-        total = self.live + self.extra()
+        total = self.live + self.extra() + ops.meta_in_flight()  # gloo's copy of each collective in flight
         self.peak_step = max(self.peak_step, total)
         self.peak_rest = max(self.peak_rest, total - self.gathered())
 

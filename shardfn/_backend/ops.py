@@ -40,6 +40,7 @@ __all__ = [
     "meta_run",
     "in_meta_run",
     "same_memory",
+    "meta_in_flight",
 ]
 
 def plain_mode() -> contextlib.ExitStack:
@@ -86,6 +87,26 @@ def meta_run():
 
 def in_meta_run() -> bool:
     return getattr(_meta_run, "depth", 0) > 0
+
+
+def meta_in_flight() -> int:
+    """Bytes of the meta all-gathers of this thread started and not yet waited: gloo copies
+    an all-gather through a flat output buffer of its own, which a dry run counts while it
+    is in flight."""
+    return getattr(_meta_run, "in_flight", 0)
+
+
+def _meta_pending(group: Group, nbytes: int, finish: Callable[[], torch.Tensor]) -> "Pending":
+    _meta_run.in_flight = meta_in_flight() + nbytes
+    done = []
+
+    def wait():
+        if not done:
+            done.append(True)
+            _meta_run.in_flight = meta_in_flight() - nbytes
+        return finish()
+
+    return Pending(None, group, "", 0, wait)
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -244,7 +265,7 @@ def all_gather_async(group: Group, x: torch.Tensor, out: torch.Tensor | None = N
         out = torch.empty((k,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     _note("all_gather", group, out)
     if x.is_meta:  # [Note: meta tensors] holding its buffers until waited, as a process group's work does
-        return Pending(None, group, "", 0, lambda: _blocks_to_logical(group, (x, out)[1]))
+        return _meta_pending(group, out.numel() * out.element_size(), lambda: _blocks_to_logical(group, (x, out)[1]))
 
     def direct():
         work = group.pg._allgather_base(out.view(-1), x.view(-1))
@@ -279,7 +300,7 @@ def reduce_scatter_async(group: Group, x: torch.Tensor, out: torch.Tensor | None
     _note("reduce_scatter", group, x)
     x_pg = _blocks_to_pg(group, x)
     if x.is_meta:  # [Note: meta tensors] holding its buffers until waited, as a process group's work does
-        return Pending(None, group, "", 0, lambda: (x_pg, out)[1])
+        return _meta_pending(group, 0, lambda: (x_pg, out)[1])  # gloo reduces in its own buffers: not copied
 
     def direct():
         opts = dist.ReduceScatterOptions()

@@ -74,6 +74,11 @@ __all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState"]
 # is there (they gather beside the buffer), so such a use fails loudly ("storage of size
 # 0") instead of reading a buffer an all-gather is filling.
 
+# [Note: deferred reductions] also bounds how many reduce-scatters are in flight: the process
+# group holds each one's packed (k, S) input, a whole unsharded unit, until it is waited, so
+# a unit's reduce-scatter waits for the one two units back (as FSDP2 keeps one in flight).
+_IN_FLIGHT = 2
+
 # Schedule work (gathers, frees) also runs inside backward functions, where functorch
 # would otherwise wrap the results of ops on our plain buffers.
 _raw = ops.plain_mode
@@ -429,6 +434,10 @@ class RankState:
                           fix=self.grad_fix)
             if self._can_defer(plan, reduce_dtype, lead):  # [Note: deferred reductions]
                 flat = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
+                while len(self.deferred) >= _IN_FLIGHT:  # its packed input would stay alive until waited
+                    work, done, how = self.deferred.pop(0)
+                    work.wait()
+                    reduce.finish_reduce(done, **how)
                 self.deferred.append((reduce.reduce_scatter(packed, g.shard, self.stats, out=flat), flat, finish))
                 out.extend(reduce.shard_grads(plan, flat, g.shard_index, lead))  # filled by finish_deferred
             else:
