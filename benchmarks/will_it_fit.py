@@ -42,22 +42,26 @@ COLUMNS = [
     ("all-gather / step", "all_gather_bytes"),
     ("reduce-scatter / step", "reduce_scatter_bytes"),
 ]
+REMAT_COLUMNS = [("peak activations, remat", "peak_activation_bytes"), ("total, remat", "total")]
 
 
-def estimates(sizes=SIZES, **shard_options) -> list[sf.Estimate]:
+def estimates(sizes=SIZES, remat: bool = False, **shard_options) -> list[sf.Estimate]:
+    """The GPT's estimates at each size; `remat`: every block under sf.remat (nothing saved)."""
     with torch.device("meta"):
-        apply_fn, params = sf.functional(GPT(CONFIG))
+        apply_fn, params = sf.functional(GPT(CONFIG), remat=True if remat else None)
     batch = (((BATCH, SEQ), torch.long), ((BATCH, SEQ), torch.long))  # (idx, targets)
     return [sf.estimate(lambda p, b: apply_fn(p, *b), params, batch, n, optimizer=sf.optim.adamw(3e-4),
                         mixed_precision=sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                         **shard_options) for n in sizes]
 
 
-def markdown_table(results: list[sf.Estimate]) -> str:
-    lines = ["| " + " | ".join(name for name, _ in COLUMNS) + " |",
-             "|" + "|".join("---:" for _ in COLUMNS) + "|"]
-    for est in results:
+def markdown_table(results: list[sf.Estimate], remat: list[sf.Estimate]) -> str:
+    columns = COLUMNS + REMAT_COLUMNS
+    lines = ["| " + " | ".join(name for name, _ in columns) + " |",
+             "|" + "|".join("---:" for _ in columns) + "|"]
+    for est, rem in zip(results, remat):
         cells = [str(est.mesh_shape["data"])] + [format_bytes(getattr(est, key)) for _, key in COLUMNS[1:]]
+        cells += [format_bytes(getattr(rem, key)) for _, key in REMAT_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -84,10 +88,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--write", action="store_true", help=f"rewrite the table in {os.path.relpath(PAGE)}")
     parser.add_argument("--out", default=os.path.join(RESULTS, "will_it_fit"), help="JSON path, without .json")
     args = parser.parse_args(argv)
-    results = estimates()
-    table = markdown_table(results)
+    results, remat = estimates(), estimates(remat=True)
+    table = markdown_table(results, remat)
     print(table)
-    rows = [dict(dataclasses.asdict(est), total=est.total) for est in results]
+    rows = [dict(dataclasses.asdict(est), total=est.total, remat=dict(dataclasses.asdict(rem), total=rem.total))
+            for est, rem in zip(results, remat)]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w", encoding="utf-8") as f:
         json.dump({"config": dataclasses.asdict(CONFIG), "batch": [BATCH, SEQ], "results": rows}, f, indent=1)

@@ -227,17 +227,38 @@ class Progress:
             self.bar.close()
 
 
+def next_token_loss(forward):
+    """The loss of a forward `(params, idx) -> logits`: cross entropy of the next token."""
+    def loss_fn(params, batch):
+        x, y = batch  # (B, T), (B, T)
+        logits = forward(params, x)  # (B, T, vocab)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    return loss_fn
+
+
+def mixed_precision(args):
+    return sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
+
+
+def print_estimate(mesh, cfg: Config, args, apply_fn, params) -> None:
+    """What each rank will hold and move, from a dry run of this run's step (sf.estimate)."""
+    if args.mesh == "fsdp_tp":
+        print("(sf.estimate plans FSDP and HSDP; FSDP x TP is not planned yet)")
+        return
+    plan = parallelize(args.mesh, mesh, apply_fn, cfg, remat=args.remat)
+    batch = (((cfg.batch_size, cfg.block_size), torch.long),) * 2  # this rank's (idx, targets)
+    est = sf.estimate(next_token_loss(plan.forward), plan.to_layout(params), batch, mesh.shape,
+                      optimizer=sf.optim.adamw(cfg.lr), mixed_precision=mixed_precision(args), **plan.shard_options)
+    print(f"planned per rank (sf.estimate{', remat' if args.remat else ''}):\n{est}")
+
+
 def train(mesh, cfg: Config, args, apply_fn, params, data):
     """Run on every rank. Returns (losses, full params, per-rank memory table)."""
     torch.set_num_threads(1)  # the ranks are the parallelism; keep runs reproducible
     plan = parallelize(args.mesh, mesh, apply_fn, cfg, remat=args.remat)
-
-    def loss_fn(params, batch):
-        x, y = batch  # (B, T), (B, T)
-        logits = plan.forward(params, x)  # (B, T, vocab)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-    mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
+    loss_fn = next_token_loss(plan.forward)
+    mp = mixed_precision(args)
     step = sf.shard(loss_fn, mesh, mixed_precision=mp, **plan.shard_options)
     shards = step.shard_params(plan.to_layout(params))  # fp32 master weights: this rank's chunks
     warmup = min(cfg.warmup, cfg.steps // 5)  # short runs (smoke tests) get a short warmup
@@ -417,6 +438,7 @@ def main():
         n = sum(p.numel() for p in optree.tree_leaves(params))
         print(f"{mesh}: {args.mesh}{' bf16' if args.bf16 else ''}, {n:,} parameters, {len(data):,} characters "
               f"of stdlib source, global batch {cfg.batch_size * data_ranks} x {cfg.block_size}")
+        print_estimate(mesh, cfg, args, apply_fn, params)
 
     t0 = time.perf_counter()
     results = mesh.run(train, mesh, cfg, args, apply_fn, params, data)  # simulated: one result per rank

@@ -53,7 +53,7 @@ class Estimate:
     peak_gathered_bytes: int  # step.stats()["peak_gathered_bytes"]
     peak_activation_bytes: int  # the most bytes the step allocates besides gathered parameters
     peak_step_bytes: int  # the most bytes the step allocates at once, gathered parameters and gloo's copies included
-    scratch_bytes: int  # the largest all-gather / reduce-scatter buffer: what gloo (CPU) adds, copying through one
+    scratch_bytes: int  # the largest all-gather / reduce-scatter buffer (gloo on CPU copies an all-gather in flight)
     all_gather_bytes: int
     reduce_scatter_bytes: int
     all_reduce_bytes: int
@@ -73,7 +73,7 @@ class Estimate:
             ("peak activations", self.peak_activation_bytes),
             ("peak of the step (gathered + activations + gradients)", self.peak_step_bytes),
             ("total (shards + optimizer state + peak of the step)", self.total),
-            ("+ collective scratch on gloo (CPU)", self.scratch_bytes),
+            ("largest collective buffer (gloo copies it)", self.scratch_bytes),
             ("all-gather per step", self.all_gather_bytes),
             ("reduce-scatter per step", self.reduce_scatter_bytes),
             ("all-reduce per step", self.all_reduce_bytes),
