@@ -261,14 +261,13 @@ def test_training_from_init_shards_equals_training_from_shard_params():
 # -- memory ------------------------------------------------------------------------------------
 
 
-def _net_and_peak(timeline) -> tuple[int, int]:
-    """(bytes created minus destroyed, most bytes live at once) within the profiled region."""
+def _net_and_peak(prof) -> tuple[int, int]:
+    """(bytes allocated minus freed, most bytes live at once) within the profiled region,
+    from the allocator's own events as the profiler recorded them."""
     live = peak = 0
-    for _, action, _, size in sorted(timeline, key=lambda e: e[0]):
-        if action.name == "CREATE":
-            live += size
-        elif action.name == "DESTROY":
-            live -= size
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    for _, nbytes in events:
+        live += nbytes
         peak = max(peak, live)
     return live, peak
 
@@ -297,7 +296,7 @@ def test_no_rank_holds_more_than_its_shards_and_one_leaf(n):
                      with_stack=True) as prof:
             shards = step.init_shards(MEMORY_DESC, seed=0)
         held = sum(x.numel() * x.element_size() for x in optree.tree_leaves(shards))
-        return (*_net_and_peak(prof._memory_profile().timeline), held)
+        return (*_net_and_peak(prof), held)
 
     net, peak, held = mesh.run(body)[0]
     bound = model_bytes / n + largest
@@ -305,7 +304,8 @@ def test_no_rank_holds_more_than_its_shards_and_one_leaf(n):
           f"(model {model_bytes} / {n} + largest leaf {largest})")
     assert held == model_bytes // n  # every dim divides by 4: rank 0 holds exactly 1/N
     assert held <= net <= peak <= bound
-    assert peak - held <= 4 * ROW_BLOCK_NUMEL  # besides the shards: one fp32 row block at a time
+    # besides the shards: one fp32 row block at a time (+ the few bytes of the agreement check)
+    assert peak - held <= 4 * ROW_BLOCK_NUMEL + 1024
 
 
 # -- errors ------------------------------------------------------------------------------------

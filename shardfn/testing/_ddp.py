@@ -154,8 +154,10 @@ def ddp_training(loss_fn, params, batches, *, lr: float = 0.1, optimizer=None,
     `run_multiprocess`).
 
     Args:
-      loss_fn, params, batches: as for `assert_ddp_equivalent`; rank r trains on
-        `local_batch(batch, r, world)` of every batch.
+      loss_fn: as for `assert_ddp_equivalent`.
+      params: as for `assert_ddp_equivalent`.
+      batches: as for `assert_ddp_equivalent`; rank r trains on `local_batch(batch, r,
+        world)` of every batch.
       lr: the learning rate of the default optimizer, `torch.optim.SGD(lr=lr)`.
       optimizer: `parameters -> torch.optim.Optimizer`, instead of SGD.
       frozen: `key_path -> bool`; those leaves get `requires_grad=False`.
