@@ -18,6 +18,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import shardfn as sf
+from allocations import net_and_peak
 from collective_cases import mesh_for
 from shardfn._init.describe import ROW_BLOCK_NUMEL
 from shardfn.testing import run_on_mesh
@@ -261,17 +262,6 @@ def test_training_from_init_shards_equals_training_from_shard_params():
 # -- memory ------------------------------------------------------------------------------------
 
 
-def _net_and_peak(prof) -> tuple[int, int]:
-    """(bytes allocated minus freed, most bytes live at once) within the profiled region,
-    from the allocator's own events as the profiler recorded them."""
-    live = peak = 0
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return live, peak
-
-
 MEMORY_DESC = {
     "embed": I.normal(std=0.02)((1024, 256)),  # 1 MiB, drawn in 256-row blocks
     "layers": [{"w": I.kaiming_uniform(a=math.sqrt(5))((256, 256)), "b": I.zeros()((256,)),
@@ -296,7 +286,7 @@ def test_no_rank_holds_more_than_its_shards_and_one_leaf(n):
                      with_stack=True) as prof:
             shards = step.init_shards(MEMORY_DESC, seed=0)
         held = sum(x.numel() * x.element_size() for x in optree.tree_leaves(shards))
-        return (*_net_and_peak(prof), held)
+        return (*net_and_peak(prof), held)
 
     net, peak, held = mesh.run(body)[0]
     bound = model_bytes / n + largest

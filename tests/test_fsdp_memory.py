@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import shardfn as sf
+from allocations import net_and_peak
 from shardfn.testing import run_on_mesh
 
 MiB = 2 ** 20
@@ -37,17 +38,6 @@ def _params(bias: bool):
     return {"layers": layers}
 
 
-def _allocated_peak(prof) -> int:
-    """Most bytes allocated at once within the profiled region (memory allocated before it
-    is not counted), from the allocator's own events as the profiler recorded them."""
-    live = peak = 0
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 def _measure(bias: bool):
     params = _params(bias)
 
@@ -62,7 +52,7 @@ def _measure(bias: bool):
                 loss, _ = torch.func.vjp(lambda s: step(s, x), shards)
         else:
             loss, _ = torch.func.vjp(lambda s: step(s, x), shards)
-        peak = _allocated_peak(prof) if measured else None
+        peak = net_and_peak(prof)[1] if measured else None
         return peak, step.stats()["peak_gathered_bytes"]
 
     return body

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardfn as sf
 import shardfn._remat as remat_module
+from allocations import net_and_peak
 from shardfn._backend import ops
 from shardfn.testing.models import GPT, GPTConfig
 
@@ -194,16 +195,6 @@ def test_remat_inside_shard_regathers_through_the_schedule(policy, how):
         assert stats["peak_gathered_bytes"] == ref_stats["peak_gathered_bytes"]
 
 
-def _raw_peak(prof) -> int:
-    """Most bytes allocated at once in the profiled region (the allocator's own events)."""
-    live = peak = 0
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 def test_gpt_blocks_under_remat_halve_the_peak_inside_shard():
     cfg = GPTConfig(n_layer=6, n_embd=64, n_head=4, vocab_size=64, block_size=64)
     torch.manual_seed(0)
@@ -222,7 +213,7 @@ def test_gpt_blocks_under_remat_halve_the_peak_inside_shard():
                 return step.grad_and_value(shards, (idx, idx))[0]
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 grads, _ = step.grad_and_value(shards, (idx, idx))
-            measured[remat] = _raw_peak(prof)
+            measured[remat] = net_and_peak(prof)[1]
             return grads
 
         measured[(remat, "grads")] = mesh.run(body)
