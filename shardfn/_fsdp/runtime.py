@@ -43,10 +43,9 @@ __all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState"]
 # node was created when unit k was first touched in the forward, after every op of unit
 # k-1, so its backward (the reduce-scatter of unit k's gradients) runs before unit k-1's
 # backward ops: that is where unit k-1 is re-gathered. The last unit is re-gathered by
-# the backward of the loss (LossMean), which runs first of all. This assumes units are
-# used one after another in the forward (a layer stack); a unit's parameters used again
-# after later units, or used only through a detached path, can find their storage
-# released: keep such leaves in the root unit or use `reshard_after_forward=False`.
+# the backward of the loss (LossMean), which runs first of all. This fits units used one
+# after another in the forward (a layer stack); the patterns that do not are handled as
+# [Note: units used again later in the forward] says.
 
 # [Note: deferred reductions]
 # Under `Shard.grad_and_value` nothing reads the shard gradients before the backward
