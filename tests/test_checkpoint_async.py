@@ -11,7 +11,6 @@ import shardfn.checkpoint as ckpt
 import shardfn.optim as optim
 from shardfn._checkpoint import _dcp
 from shardfn.testing import RankProcessError, run_on_mesh
-from shardfn.testing._ddp import local_batch
 from shardfn.testing.models import mlp_loss, mlp_params
 
 P = sf.P

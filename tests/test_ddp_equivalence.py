@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 import shardfn as sf
 from shardfn import _tree
-from shardfn.testing import RankProcessError, assert_ddp_equivalent, run_on_mesh
+from shardfn.testing import assert_ddp_equivalent, run_on_mesh
 from shardfn.testing._ddp import fsdp2_training, local_batch
 from shardfn.testing.models import GPT, GPTConfig, mlp_loss, mlp_params
 

@@ -44,7 +44,7 @@ def test_mixed_precision_gathers_in_param_dtype_and_returns_master_dtype():
             return rec.records, [g.dtype for g in tree_leaves(grads)], step.unshard_params(grads), loss
 
         results[name] = mesh.run(body)[0]
-    (r32, d32, g32, l32), (r16, d16, g16, l16) = results["fp32"], results["bf16"]
+    (r32, _, g32, l32), (r16, d16, g16, l16) = results["fp32"], results["bf16"]
     s32, s16 = totals(r32), totals(r16)  # what the backend sent
     assert s16["all_gather_bytes"] * 2 == s32["all_gather_bytes"]  # gathers move bf16
     assert s16["reduce_scatter_bytes"] == s32["reduce_scatter_bytes"]  # reductions in fp32
