@@ -164,11 +164,15 @@ class BackendBase:
         group; see [Note: desync detection]."""
 
     def _desync(self, group: Group, seq: int, mine: str, other_rank: int, other: str) -> DesyncError:
+        uneven = ""
+        if mine.split("(shape=")[0] == other.split("(shape=")[0] and mine.split("dtype=")[-1] == other.split("dtype=")[-1]:
+            uneven = (" If the blocks are uneven on purpose (a torch.chunk that does not divide), pad them to one "
+                      "size, or exchange them with sf.ragged_all_to_all.")
         return DesyncError(
             f"collectives out of step over mesh axes {group.axes}: as collective #{seq} of that group, "
             f"rank {self.rank()} issued {mine} but rank {other_rank} issued {other}.\nFix: every rank must "
             f"issue the same collectives in the same order with the same shapes and dtypes; look for a "
-            f"branch on the rank or on data that differs across ranks."
+            f"branch on the rank or on data that differs across ranks.{uneven}"
         )
 
     def wait(self, work, group: Group, what: str, seq: int) -> None:
