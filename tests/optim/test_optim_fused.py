@@ -236,3 +236,31 @@ def test_apply_updates_rejects_applied_updates_of_other_params():
     with pytest.raises(ValueError, match=r"apply_updates: `updates` is the AppliedUpdates of a fused optimizer"):
         optim.apply_updates({"w": torch.ones(3)}, updates)
     assert optim.apply_updates(dict(params), updates)["w"] is params["w"]  # same leaves: fine
+
+
+def test_fused_step_allocates_nothing_tensor_sized():
+    from torch.profiler import ProfilerActivity, profile
+
+    params = make_tree([(64, 32), (256,), (16, 4, 8)], torch.Generator().manual_seed(13), torch.float32)
+    opt = optim.adamw(LR, fused=True)
+    state = opt.init(params)
+    grads = grad_sequence(params, 14, steps=3)
+    for g in grads[:2]:
+        optim.apply_updates(params, opt.update(g, state, params)[0])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        optim.apply_updates(params, opt.update(grads[2], state, params)[0])
+    sizes = [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0]
+    assert max(sizes, default=0) <= 8, sorted(sizes)[-5:]  # only the 0-dim float step
+
+
+def test_fused_handles_expanded_gradients_and_leaves_requiring_grad():
+    params = {"w": torch.randn(3, 4, requires_grad=True), "b": torch.zeros(4, requires_grad=True)}
+    grads = torch.func.grad(lambda p: p["w"].sum() + (p["b"] * 2).sum())(params)
+    assert grads["w"].stride() == (0, 0)
+    ref, _, _ = run_torch(lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
+                          {k: v.detach() for k, v in params.items()}, [clone_tree(grads)])
+    opt = optim.adamw(0.1, fused=True)
+    updates, _ = opt.update(grads, opt.init(params), params)
+    optim.apply_updates(params, updates)
+    _assert_equal([params["b"].detach(), params["w"].detach()], leaves(ref), "params")
+    assert params["w"].grad_fn is None and params["w"].requires_grad
