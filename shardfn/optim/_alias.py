@@ -6,6 +6,9 @@
 | ``adam(lr, b1, b2, eps, weight_decay)``       | ``torch.optim.Adam`` (L2 decay)   | add_decayed_weights → scale_by_adam → scale_by_learning_rate |
 | ``adamw(lr, b1, b2, eps, weight_decay=1e-2)`` | ``torch.optim.AdamW``             | scale_by_adam → add_decayed_weights → scale_by_learning_rate |
 | ``lion(lr, b1, b2, weight_decay)``            | (Lion paper, optax.lion)          | scale_by_lion → add_decayed_weights → scale_by_learning_rate |
+
+``sgd``, ``adam`` and ``adamw`` with ``fused=True`` keep that chain's state but run
+PyTorch's fused kernel instead (see [Note: fused updates] in ``_fused.py``).
 """
 
 from __future__ import annotations
