@@ -40,6 +40,7 @@ from ._schedules import linear_schedule as linear_schedule
 from ._schedules import linear_warmup as linear_warmup
 from ._schedules import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
 from ._weight_decay import add_decayed_weights as add_decayed_weights
+from .base import AppliedUpdates as AppliedUpdates
 from .base import EmptyState as EmptyState
 from .base import GradientTransformation as GradientTransformation
 from .base import apply_updates as apply_updates
@@ -48,6 +49,7 @@ from .base import identity as identity
 from .train import train_step as train_step
 
 __all__ = [
+    "AppliedUpdates",
     "EmptyState",
     "GradientTransformation",
     "Schedule",

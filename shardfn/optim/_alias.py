@@ -6,6 +6,9 @@
 | ``adam(lr, b1, b2, eps, weight_decay)``       | ``torch.optim.Adam`` (L2 decay)   | add_decayed_weights → scale_by_adam → scale_by_learning_rate |
 | ``adamw(lr, b1, b2, eps, weight_decay=1e-2)`` | ``torch.optim.AdamW``             | scale_by_adam → add_decayed_weights → scale_by_learning_rate |
 | ``lion(lr, b1, b2, weight_decay)``            | (Lion paper, optax.lion)          | scale_by_lion → add_decayed_weights → scale_by_learning_rate |
+
+``sgd``, ``adam`` and ``adamw`` with ``fused=True`` keep that chain's state but run
+PyTorch's fused kernel instead (see [Note: fused updates] in ``_fused.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ._adam import scale_by_adam
+from ._fused import check_fused, fused_adam, fused_sgd
 from ._lion import scale_by_lion
 from ._momentum import trace
 from ._scale import ScalarOrSchedule, scale_by_learning_rate
@@ -36,7 +40,8 @@ def sgd(
     nesterov: bool = False,
     weight_decay: float = 0.0,
     *,
-    inplace: bool = False,
+    inplace: Optional[bool] = None,
+    fused: Optional[bool] = None,
 ) -> GradientTransformation:
     """Stochastic gradient descent with ``torch.optim.SGD``'s momentum and weight decay.
 
@@ -48,10 +53,18 @@ def sgd(
         momentum: momentum factor (0 disables the buffer).
         nesterov: Nesterov momentum (needs ``momentum > 0``).
         weight_decay: L2 penalty added to the gradient.
-        inplace: update state and the incoming gradients in place (no allocation).
+        inplace: update state and the incoming gradients in place (no allocation);
+            None means False, or True with ``fused=True``.
+        fused: one ``torch._fused_sgd_`` call per (device, dtype) group, which updates
+            the params, the buffer and the lr state in place; ``update`` then returns
+            ``AppliedUpdates`` (see ``docs/optim.md``). None (the default) means False.
 
     Returns:
-        ``chain(add_decayed_weights, trace, scale_by_learning_rate)``.
+        ``chain(add_decayed_weights, trace, scale_by_learning_rate)`` (with ``fused=True``,
+        one transform with that chain's state).
+
+    Raises:
+        ValueError: bad hyperparameters; ``fused=True`` with ``inplace=False``.
 
     Example:
         >>> import torch, shardfn.optim as optim
@@ -68,11 +81,18 @@ def sgd(
     _check_nonneg(weight_decay, "weight_decay", who)
     if nesterov and momentum <= 0:
         raise ValueError(f"{who}: nesterov=True needs momentum > 0, got momentum={momentum}.")
-    return chain(
+    fused = check_fused(fused, inplace, who)
+    inplace = bool(inplace) or fused
+    links = (
         add_decayed_weights(weight_decay, inplace=inplace),
         trace(momentum, nesterov, inplace=inplace) if momentum else identity(),
         scale_by_learning_rate(learning_rate, inplace=inplace),
     )
+    if fused:
+        return fused_sgd(
+            links, 1 if momentum else None, float(momentum), nesterov, float(weight_decay), who=who
+        )
+    return chain(*links)
 
 
 def adam(
@@ -82,7 +102,8 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     *,
-    inplace: bool = False,
+    inplace: Optional[bool] = None,
+    fused: Optional[bool] = None,
 ) -> GradientTransformation:
     """Adam with ``torch.optim.Adam``'s semantics (L2 ``weight_decay`` added to the gradient).
 
@@ -92,10 +113,19 @@ def adam(
         b2: decay of the second moment (torch's ``betas[1]``).
         eps: added after the square root of the bias-corrected second moment.
         weight_decay: L2 penalty added to the gradient before the moments.
-        inplace: update state and the incoming gradients in place (no allocation).
+        inplace: update state and the incoming gradients in place (no allocation);
+            None means False, or True with ``fused=True``.
+        fused: one ``torch._fused_adam_`` call per (device, dtype) group (the kernel of
+            ``torch.optim.Adam(fused=True)``, same bits), updating the params and the
+            state in place; ``update`` then returns ``AppliedUpdates`` (see
+            ``docs/optim.md``). None (the default) means False.
 
     Returns:
-        ``chain(add_decayed_weights, scale_by_adam, scale_by_learning_rate)``.
+        ``chain(add_decayed_weights, scale_by_adam, scale_by_learning_rate)`` (with
+        ``fused=True``, one transform with that chain's state).
+
+    Raises:
+        ValueError: bad hyperparameters; ``fused=True`` with ``inplace=False``.
 
     Example:
         >>> import torch, shardfn.optim as optim
@@ -108,11 +138,18 @@ def adam(
     who = "adam"
     _check_lr(learning_rate, who)
     _check_nonneg(weight_decay, "weight_decay", who)
-    return chain(
+    fused = check_fused(fused, inplace, who)
+    inplace = bool(inplace) or fused
+    links = (
         add_decayed_weights(weight_decay, inplace=inplace),
         scale_by_adam(b1, b2, eps, inplace=inplace),
         scale_by_learning_rate(learning_rate, inplace=inplace),
     )
+    if fused:
+        return fused_adam(
+            links, 1, float(b1), float(b2), float(eps), float(weight_decay), decoupled=False, who=who
+        )
+    return chain(*links)
 
 
 def adamw(
@@ -123,7 +160,8 @@ def adamw(
     weight_decay: float = 1e-2,
     mask: Optional[Mask] = None,
     *,
-    inplace: bool = False,
+    inplace: Optional[bool] = None,
+    fused: Optional[bool] = None,
 ) -> GradientTransformation:
     """AdamW with ``torch.optim.AdamW``'s semantics: decoupled decay scaled by the (scheduled) lr.
 
@@ -138,10 +176,19 @@ def adamw(
         eps: added after the square root of the bias-corrected second moment.
         weight_decay: decoupled weight decay (torch's default ``1e-2``).
         mask: which leaves to decay (see ``add_decayed_weights``).
-        inplace: update state and the incoming gradients in place (no allocation).
+        inplace: update state and the incoming gradients in place (no allocation);
+            None means False, or True with ``fused=True``.
+        fused: one ``torch._fused_adamw_`` call per (device, dtype) group (the kernel of
+            ``torch.optim.AdamW(fused=True)``, same bits), updating the params and the
+            state in place; ``update`` then returns ``AppliedUpdates`` (see
+            ``docs/optim.md``). None (the default) means False: the foreach chain.
 
     Returns:
-        ``chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)``.
+        ``chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)`` (with
+        ``fused=True``, one transform with that chain's state).
+
+    Raises:
+        ValueError: bad hyperparameters; ``fused=True`` with ``inplace=False`` or a ``mask``.
 
     Example:
         >>> import torch, shardfn.optim as optim
@@ -154,11 +201,18 @@ def adamw(
     who = "adamw"
     _check_lr(learning_rate, who)
     _check_nonneg(weight_decay, "weight_decay", who)
-    return chain(
+    fused = check_fused(fused, inplace, who, mask=mask)
+    inplace = bool(inplace) or fused
+    links = (
         scale_by_adam(b1, b2, eps, inplace=inplace),
         add_decayed_weights(weight_decay, mask, inplace=inplace),
         scale_by_learning_rate(learning_rate, inplace=inplace),
     )
+    if fused:
+        return fused_adam(
+            links, 0, float(b1), float(b2), float(eps), float(weight_decay), decoupled=True, who=who
+        )
+    return chain(*links)
 
 
 def lion(

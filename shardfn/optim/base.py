@@ -123,6 +123,23 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+class AppliedUpdates:
+    """What a fused optimizer's ``update`` returns: ``params`` were already updated in place.
+
+    ``apply_updates(params, AppliedUpdates(params))`` returns ``params`` as they are. To
+    pytrees it is one leaf, so a transform given it (instead of ``apply_updates``) fails
+    with a structure error rather than reading it as updates.
+    """
+
+    __slots__ = ("params",)
+
+    def __init__(self, params: Any):
+        self.params = params
+
+    def __repr__(self) -> str:
+        return "AppliedUpdates(<params updated in place>)"
+
+
 def apply_updates(params: Any, updates: Any, *, inplace: bool = False) -> Any:
     """Add ``updates`` to ``params`` leaf by leaf (``torch._foreach_add``).
 
@@ -133,13 +150,20 @@ def apply_updates(params: Any, updates: Any, *, inplace: bool = False) -> Any:
             ``torch.no_grad()``) and return the same tree; otherwise return new tensors.
 
     Returns:
-        The updated parameters, each leaf in its parameter's dtype.
+        The updated parameters, each leaf in its parameter's dtype. Given the
+        ``AppliedUpdates`` of a fused optimizer (whose kernel already wrote the params),
+        the params as they are, whatever ``inplace`` says.
+
+    Raises:
+        ValueError: trees of different structures; ``AppliedUpdates`` of other params.
 
     Example:
         >>> import torch, shardfn.optim as optim
         >>> optim.apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})["w"]
         tensor([0.5000, 0.5000])
     """
+    if isinstance(updates, AppliedUpdates):
+        return _already_applied(params, updates)
     p, treedef = _tree.flatten(params)
     u = _flat.leaves_like(treedef, updates, "updates", "apply_updates", ref="the params")
     if not p:
@@ -151,3 +175,16 @@ def apply_updates(params: Any, updates: Any, *, inplace: bool = False) -> Any:
     new = torch._foreach_add(p, u)
     new = [n if n.dtype == q.dtype else n.to(q.dtype) for n, q in zip(new, p)]
     return _tree.unflatten(treedef, new)
+
+
+def _already_applied(params: Any, updates: AppliedUpdates) -> Any:
+    """``apply_updates`` of a fused update: check that these are the params it wrote."""
+    if updates.params is not params:
+        mine, theirs = _tree.flatten(params)[0], _tree.flatten(updates.params)[0]
+        if len(mine) != len(theirs) or any(a is not b for a, b in zip(mine, theirs)):
+            raise ValueError(
+                "apply_updates: `updates` is the AppliedUpdates of a fused optimizer, which "
+                "already wrote other params in place; pass the params given to that "
+                "update(grads, state, params)."
+            )
+    return params
