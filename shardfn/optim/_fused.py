@@ -29,7 +29,7 @@ calling them on the same tensors with the same scalars gives the same bits.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
