@@ -9,6 +9,7 @@ backward runs `fn` again and differentiates that run. Policies (`sf.remat_polici
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import types
@@ -57,9 +58,9 @@ __all__ = ["remat", "tag", "Policy", "policies"]
 # reliably there: pass one (JAX-style explicit keys).
 
 _aten = torch.ops.aten
-_DOTS = frozenset({_aten.mm, _aten.bmm, _aten.addmm, _aten.baddbmm, _aten.addbmm, _aten.dot, _aten.mv,
-                   _aten.convolution, _aten._scaled_dot_product_flash_attention_for_cpu,
-                   _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_flash_attention})
+_DOTS = frozenset(op for op in (getattr(_aten, name, None) for name in (  # the ones this torch has
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "dot", "mv", "convolution", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention")) if op is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +213,17 @@ class _Call:
         args, kwargs = _tree.unflatten(self.treedef, leaves)
         return self.fn(*args, **kwargs)
 
+    def rerun(self, inputs, wrt: list[int]):
+        """`fn` again as a function of the inputs at positions `wrt` (the others fixed), with
+        flat tensor outputs: what the backward and jvp differentiate."""
+        def run(*diff):
+            full = list(inputs)
+            for i, t in zip(wrt, diff):
+                full[i] = t
+            return self.flat_outputs(self.call(full))
+
+        return run
+
     def flat_outputs(self, out) -> tuple:
         leaves, treedef = _tree.flatten(out)
         if self.out_treedef is None:
@@ -297,18 +309,12 @@ class _Remat(torch.autograd.Function):
         inputs = ctx.saved_tensors
         needed = ctx.needs_input_grad[1:]  # differentiate only what the caller asks for
         wrt = [i for i, t in enumerate(inputs) if needed[i] and (t.is_floating_point() or t.is_complex())]
-
-        def rerun(*diff):
-            full = list(inputs)
-            for i, t in zip(wrt, diff):
-                full[i] = t
-            return call.flat_outputs(call.call(full))
-
+        rerun = call.rerun(inputs, wrt)
         kept = call.kept
         if call.offload_to is not None:  # back where they were made (plain: replay hands out plain tensors)
             with torch._C._DisableFuncTorch(), torch.no_grad():
                 kept = {i: _tree.tree_map(lambda t: _move(t, call.devices.get(i)), out) for i, out in kept.items()}
-        with call.replaying_rng(), _bound(call.binding), _Replay(call.names, kept):
+        with call.replaying_rng(), call.binding or contextlib.nullcontext(), _Replay(call.names, kept):
             _, pullback = torch.func.vjp(rerun, *[inputs[i] for i in wrt])
         partial = pullback(tuple(grads))
         out = [None] * len(inputs)
@@ -321,16 +327,10 @@ class _Remat(torch.autograd.Function):
         call: _Call = ctx.call
         inputs = ctx.saved_tensors
         wrt = [i for i, t in enumerate(inputs) if t.is_floating_point() or t.is_complex()]
-
-        def rerun(*diff):
-            full = list(inputs)
-            for i, t in zip(wrt, diff):
-                full[i] = t
-            return call.flat_outputs(call.call(full))
-
+        rerun = call.rerun(inputs, wrt)
         primals = [inputs[i] for i in wrt]
         tans = [tangents[i] if tangents[i] is not None else torch.zeros_like(inputs[i]) for i in wrt]
-        with call.replaying_rng(), _bound(call.binding):
+        with call.replaying_rng(), call.binding or contextlib.nullcontext():
             _, out = torch.func.jvp(rerun, tuple(primals), tuple(tans))
         return out
 
@@ -344,21 +344,6 @@ def _offload(t, call: _Call, i: int):
 
 def _move(t, device):
     return t.to(device) if isinstance(t, torch.Tensor) and device is not None else t
-
-
-class _bound:
-    """Re-enter the collectives' binding of the forward (or nothing outside shard_map/shard)."""
-
-    def __init__(self, binding):
-        self.binding = binding
-
-    def __enter__(self):
-        if self.binding is not None:
-            self.binding.__enter__()
-
-    def __exit__(self, *exc):
-        if self.binding is not None:
-            self.binding.__exit__(*exc)
 
 
 def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_to=None) -> Callable:

@@ -105,8 +105,9 @@ def all_reduce_replicated(layouts: tuple[LeafLayout, ...], grads: list, *, shard
     for axes, floats in by_axes.items():
         group = mesh.group(axes)
         if group.size == 1:
-            for i in floats if fix != 1.0 else ():
-                filled[i] = filled[i] * fix
+            if fix != 1.0:
+                for i in floats:
+                    filled[i] = filled[i] * fix
             continue
         dtype = reduce_dtype or functools.reduce(torch.promote_types, (filled[i].dtype for i in floats), torch.float32)
         flat = torch.cat([filled[i].reshape(lead + (-1,)).to(dtype) for i in floats], dim=-1)

@@ -53,7 +53,9 @@ __all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState"]
 # reduce-scatter can run while the backward of the units before it computes, and be
 # waited once at the end, followed by the all-reduces that complete it in place (HSDP,
 # tensor parallelism). Only when the shard gradients are views of its output: no cast,
-# no finiteness check, no vmap.
+# no finiteness check, no vmap. At most _IN_FLIGHT of them are in flight: the process group
+# holds each one's packed (k, S) input, a whole unsharded unit, until it is waited, so a
+# unit's reduce-scatter first waits for the one two units back (FSDP2 keeps one in flight).
 
 # [Note: units used again later in the forward]
 # The schedule frees a unit when the next one is entered, which assumes a unit's
@@ -73,10 +75,7 @@ __all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState"]
 # is there (they gather beside the buffer), so such a use fails loudly ("storage of size
 # 0") instead of reading a buffer an all-gather is filling.
 
-# [Note: deferred reductions] also bounds how many reduce-scatters are in flight: the process
-# group holds each one's packed (k, S) input, a whole unsharded unit, until it is waited, so
-# a unit's reduce-scatter waits for the one two units back (as FSDP2 keeps one in flight).
-_IN_FLIGHT = 2
+_IN_FLIGHT = 2  # deferred reduce-scatters at once ([Note: deferred reductions])
 
 # Schedule work (gathers, frees) also runs inside backward functions, where functorch
 # would otherwise wrap the results of ops on our plain buffers.
@@ -225,8 +224,8 @@ class UnitRuntime:
                 return
             gathered = self._wait()  # (k, S) in logical rank order; (M, k / M, S) from the kept rows
             g, plan = self.groups, self.plan
-            if self.gathering_kept:  # reordered: a second (k, S) buffer for a moment
-                self.stats.hold(self.nbytes)
+            if self.gathering_kept:  # reordered into a copy: two (k, S) buffers for a moment, then the
+                self.stats.hold(self.nbytes)  # gathered one is freed and apart_bytes stands for the copy
                 self.stats.hold(-self.nbytes)
                 gathered = gathered.reshape(plan.k, -1).index_select(0, g.hpz_order)
             elif g.hpz_keep is not None and in_forward and not plan.is_root:
@@ -289,11 +288,13 @@ class RankState:
         self.stats = reduce.Stats()
         self.units = [UnitRuntime(u, self.groups, self.stats) for u in plan.units]
         self.mode = StepMode.EAGER
-        self.deferred: list = []  # (ops.Pending, UnitRuntime, output buffer) per deferred unit
+        self.deferred: list = []  # (ops.Pending, (*lead, S) output, finish_reduce kwargs) per deferred unit
         # The loss must be the same on every tensor-parallel rank: checked on the first call.
         self.loss_checked = self.groups.tp_size == 1
         self.leaves: list[torch.Tensor] = []  # this step's shard leaves, as loss_fn's caller passed them
         self.grad_fix = 1.0  # exact / rounded 1/N of the loss mean's backward ([Note: the loss mean's 1/N])
+        self.scope, self.scope_units = None, set()  # the `together` block being read, its units
+        self.scope_of: dict[int, object] = {}  # unit -> the `together` block it was entered in
 
     # -- step lifecycle -------------------------------------------------------------------
     def begin_step(self, leaves: list[torch.Tensor]) -> None:
@@ -310,8 +311,7 @@ class RankState:
             unit.stacked = False
             unit.pinned = False
             unit.shards = [plain(leaves[layout.index]) for layout in unit.plan.sharded]
-        self.scope, self.scope_units = None, set()  # the `together` block being read, its units
-        self.scope_of: dict[int, object] = {}  # unit -> the `together` block it was entered in
+        self.scope, self.scope_units, self.scope_of = None, set(), {}
 
     def end_forward(self) -> None:
         self.schedule.in_forward = False
@@ -434,9 +434,7 @@ class RankState:
             if self._can_defer(plan, reduce_dtype, lead):  # [Note: deferred reductions]
                 flat = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
                 while len(self.deferred) >= _IN_FLIGHT:  # its packed input would stay alive until waited
-                    work, done, how = self.deferred.pop(0)
-                    work.wait()
-                    reduce.finish_reduce(done, **how)
+                    _settle(self.deferred.pop(0))
                 self.deferred.append((reduce.reduce_scatter(packed, g.shard, self.stats, out=flat), flat, finish))
                 out.extend(reduce.shard_grads(plan, flat, g.shard_index, lead))  # filled by finish_deferred
             else:
@@ -465,10 +463,8 @@ class RankState:
         """Wait for the deferred reduce-scatters; when the backward completed, finish them
         (after a failure, no further collective is started)."""
         pending, self.deferred = self.deferred, []
-        for work, flat, finish in pending:
-            work.wait()
-            if complete:
-                reduce.finish_reduce(flat, **finish)
+        for entry in pending:
+            _settle(entry, complete)
 
     # -- checks ---------------------------------------------------------------------------
     def check_loss(self, loss: torch.Tensor) -> None:
@@ -491,6 +487,15 @@ class RankState:
                 f"{axes} the same batch and reduce the loss over them (sf.psum / all_gather) so it is "
                 f"the same there; or, if those axes split the batch, add them to data_axes."
             )
+
+
+def _settle(entry, complete: bool = True) -> None:
+    """Wait for a deferred reduce-scatter `(work, flat, finish kwargs)`; if `complete`, finish
+    its gradient in place (the HSDP / tensor-parallel all-reduces, the 1/N fix)."""
+    work, flat, finish = entry
+    work.wait()
+    if complete:
+        reduce.finish_reduce(flat, **finish)
 
 
 def _add(a, b):
