@@ -18,6 +18,7 @@ from ._collectives import pmin as pmin
 from ._collectives import ppermute as ppermute
 from ._collectives import psum as psum
 from ._collectives import psum_scatter as psum_scatter
+from ._collectives import pvary as pvary
 from ._collectives import ragged_all_to_all as ragged_all_to_all
 from ._estimate import Estimate as Estimate
 from ._estimate import estimate as estimate
@@ -78,6 +79,7 @@ __all__ = [
     "ppermute",
     "psum",
     "psum_scatter",
+    "pvary",
     "ragged_all_to_all",
     "remat",
     "remat_policies",

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import _tree
+from . import _tree, _vma
 from ._backend import ops
 from ._backend.base import Group
 from ._errors import ShardingError, SpecError
@@ -36,6 +36,7 @@ __all__ = [
     "ppermute",
     "all_to_all",
     "ragged_all_to_all",
+    "pvary",
     "axis_index",
     "axis_size",
     "bound_mesh",
@@ -53,21 +54,27 @@ class binding:
 
     `check(op, axes)`, when given, vets the axes of every communicating collective (shard
     refuses axes it would not reduce gradients over). `manual`: the axes the code inside
-    is manual over (collectives may name only those); None: every axis of the mesh."""
+    is manual over (collectives may name only those); None: every axis of the mesh.
+    `types`: the typed scope of a shard_map with check_vma ([Note: varying axes]); None:
+    untyped (shard's loss_fn, check_vma=False), where the collectives use the boundary
+    rule ([Note: the psum transpose rule])."""
 
     def __init__(self, mesh, check: Callable[[str, tuple[str, ...]], None] | None = None,
-                 manual: tuple[str, ...] | None = None):
+                 manual: tuple[str, ...] | None = None, types: _vma.Types | None = None):
         self.mesh = mesh
         self.check = check
         self.manual = tuple(mesh.axis_names) if manual is None else tuple(a for a in mesh.axis_names if a in manual)
+        self.types = types
 
     def __enter__(self):
         if getattr(_state, "stack", None) is None:
             _state.stack = []
         _state.stack.append(self)
+        _vma.enter(self.types)
         return self.mesh
 
     def __exit__(self, *exc):
+        _vma.exit()
         _state.stack.pop()
 
 
@@ -98,7 +105,7 @@ def _axes(op: str, axis) -> tuple[str, ...]:
     current = current_binding()
     mesh = bound_mesh(op, axis)
     axes = mesh.axes(axis, where=f"{op}(axis={axis!r})")
-    if current.check is not None and op not in ("axis_index", "axis_size"):
+    if current.check is not None and op not in ("axis_index", "axis_size", "pvary"):
         current.check(op, axes)
     stray = [a for a in axes if a not in current.manual]
     if stray:
@@ -112,6 +119,42 @@ def _axes(op: str, axis) -> tuple[str, ...]:
 
 def _group(op: str, axis) -> Group:
     return bound_mesh(op, axis).group(_axes(op, axis))
+
+
+def _types(op: str, group: Group) -> _vma.Types | None:
+    """The typed scope if the group's axes are tracked there ([Note: varying axes]); None
+    if untyped (then the boundary rule applies)."""
+    types = _vma.current()
+    if types is None:
+        return None
+    tracked = [a for a in group.axes if a in types.axes]
+    if len(tracked) == len(group.axes):
+        return types
+    if not tracked:
+        return None
+    raise SpecError(
+        f"{op}(axis={group.axes!r}): {tracked} belong to a shard_map with varying-axis types (check_vma=True) "
+        f"and {[a for a in group.axes if a not in types.axes]} to enclosing code without them; one "
+        f"collective cannot mix the two rules.\nFix: call {op} once per kind of axis, or give the shard_maps "
+        f"the same check_vma."
+    )
+
+
+def _varying(types, x: torch.Tensor, axes) -> torch.Tensor:
+    """`x`, lifted to vary over `axes` when typed (collectives that take varying operands)."""
+    return x if types is None else _vma.lift(x, axes, types)
+
+
+def _vary_apply(op: str, fn, x: torch.Tensor, group: Group, *rest) -> torch.Tensor:
+    """`fn.apply(x, group, *rest)` for a collective whose operand and result vary over the
+    group's axes: typed, the operand is lifted first and the result tagged."""
+    types = _types(op, group)
+    if types is None:
+        return fn.apply(x, group, *rest)
+    x = _vma.lift(x, group.axes, types)
+    with _vma.paused():
+        out = fn.apply(x, group, *rest)
+    return _vma.tag(out, _vma.vma(x, types), types)
 
 
 def _front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
@@ -209,7 +252,14 @@ def pmean(x, axis):
 def _psum_leaf(leaf, group: Group, op: str):
     if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
         return leaf * group.size  # psum(1, 'data') is the axis size, as in JAX
-    return _Psum.apply(_operand(leaf, op, group), group)
+    x = _operand(leaf, op, group)
+    types = _types(op, group)
+    if types is None:
+        return _Psum.apply(x, group)
+    x = _vma.lift(x, group.axes, types)  # an invariant operand is summed N times, as in JAX
+    with _vma.paused():
+        out = _vma.PsumInvariant.apply(x, group)
+    return _vma.tag(out, _vma.vma(x, types) - set(group.axes), types)
 
 
 # -- pmax / pmin -----------------------------------------------------------------------
@@ -220,46 +270,59 @@ class _Pextremum(torch.autograd.Function):
     split evenly among ties (like `torch.amax`)."""
 
     @staticmethod
-    def forward(x, group, op):
+    def forward(x, group, op, typed):
         return ops.all_reduce(group, x, op)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, ctx.group, ctx.op = inputs
+        x, ctx.group, ctx.op, ctx.typed = inputs
         ctx.save_for_backward(x, output)
         ctx.save_for_forward(x, output)  # forward mode reads them too
 
     @staticmethod
     def _route(ctx, g):
+        # typed, the output's cotangent is invariant (whole on every rank): no sum; untyped,
+        # each rank holds 1/N of it after the output boundary ([Note: the psum transpose rule])
         x, out = ctx.saved_tensors
         hit = (x == out).to(g.dtype)
-        return _Psum.apply(g, ctx.group) * hit / _Psum.apply(hit, ctx.group)
+        total = g if ctx.typed else _Psum.apply(g, ctx.group)
+        return total * hit / _Psum.apply(hit, ctx.group)
 
     @staticmethod
     def backward(ctx, g):
-        return _Pextremum._route(ctx, g), None, None
+        return _Pextremum._route(ctx, g), None, None, None
 
     @staticmethod
-    def jvp(ctx, t, _g, _o):
+    def jvp(ctx, t, _g, _o, _t):
         x, out = ctx.saved_tensors
         hit = (x == out).to(t.dtype)
         return _Psum.apply(t * hit, ctx.group) / _Psum.apply(hit, ctx.group)
 
     @staticmethod
-    def vmap(info, in_dims, x, group, op):
-        return _Pextremum.apply(x, group, op), in_dims[0]
+    def vmap(info, in_dims, x, group, op, typed):
+        return _Pextremum.apply(x, group, op, typed), in_dims[0]
+
+
+def _extremum(x, axis, op: str, name: str) -> torch.Tensor:
+    group = _group(name, axis)
+    x = _operand(x, name, group)
+    types = _types(name, group)
+    if types is None:
+        return _Pextremum.apply(x, group, op, False)
+    x = _vma.lift(x, group.axes, types)
+    with _vma.paused():
+        out = _Pextremum.apply(x, group, op, True)
+    return _vma.tag(out, _vma.vma(x, types) - set(group.axes), types)
 
 
 def pmax(x: torch.Tensor, axis) -> torch.Tensor:
     """Elementwise max over a mesh axis; gradient flows to the ranks holding the max."""
-    group = _group("pmax", axis)
-    return _Pextremum.apply(_operand(x, "pmax", group), group, "max")
+    return _extremum(x, axis, "max", "pmax")
 
 
 def pmin(x: torch.Tensor, axis) -> torch.Tensor:
     """Elementwise min over a mesh axis; gradient flows to the ranks holding the min."""
-    group = _group("pmin", axis)
-    return _Pextremum.apply(_operand(x, "pmin", group), group, "min")
+    return _extremum(x, axis, "min", "pmin")
 
 
 # -- all_gather <-> psum_scatter -------------------------------------------------------
@@ -309,20 +372,128 @@ class _PsumScatter(torch.autograd.Function):
         return _PsumScatter.apply(_front(x, in_dims[0]), group, dim + 1), 0
 
 
+class _AllGatherInvariant(torch.autograd.Function):
+    """all_gather typed varying -> invariant ([Note: varying axes]); the cotangent is then
+    the same on every rank, and the transpose takes this rank's block."""
+
+    @staticmethod
+    def forward(x, group, dim):
+        return ops.all_gather(group, x, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.dim = inputs
+
+    @staticmethod
+    def backward(ctx, g):  # transpose: this rank's block (no communication)
+        return _TakeBlock.apply(g, ctx.group, ctx.dim), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _g, _d):
+        return _AllGatherInvariant.apply(t, ctx.group, ctx.dim)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, dim):
+        return _AllGatherInvariant.apply(_front(x, in_dims[0]), group, dim + 1), 0
+
+
+class _TakeBlock(torch.autograd.Function):
+    """This rank's block of `dim` of an invariant value; transpose: the invariant all_gather."""
+
+    @staticmethod
+    def forward(x, group, dim):
+        n = x.shape[dim] // group.size
+        return x.narrow(dim, group.index * n, n).clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.dim = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return _AllGatherInvariant.apply(g, ctx.group, ctx.dim), None, None
+
+    @staticmethod
+    def jvp(ctx, t, _g, _d):
+        return _TakeBlock.apply(t, ctx.group, ctx.dim)
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, dim):
+        return _TakeBlock.apply(_front(x, in_dims[0]), group, dim + 1), 0
+
+
+class _VaryGathered(torch.autograd.Function):
+    """`gathered` = all_gather(`src`) lifted to varying: the value as it is, the cotangent
+    reduce-scattered back to `src` (not all-reduced, then sliced) ([Note: typed transposes])."""
+
+    @staticmethod
+    def forward(src, gathered, group, dim):
+        return gathered.view_as(gathered)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, ctx.group, ctx.dim = inputs
+
+    @staticmethod
+    def backward(ctx, g):
+        return _PsumScatter.apply(g, ctx.group, ctx.dim), None, None, None
+
+    @staticmethod
+    def jvp(ctx, t_src, t_gathered, _g, _d):
+        if t_gathered is not None:
+            return t_gathered.view_as(t_gathered)
+        return _AllGather.apply(t_src, ctx.group, ctx.dim)
+
+    @staticmethod
+    def vmap(info, in_dims, src, gathered, group, dim):
+        def front(x, d):
+            return x.unsqueeze(0).expand((info.batch_size,) + tuple(x.shape)) if d is None else _front(x, d)
+
+        return _VaryGathered.apply(front(src, in_dims[0]), front(gathered, in_dims[1]), group, dim + 1), 0
+
+
+class _Gathered:
+    """Where an invariant all_gather result came from, for lifting it (`_vma.lift`)."""
+
+    __slots__ = ("src", "group", "dim")
+
+    def __init__(self, src, group, dim):
+        self.src, self.group, self.dim = src, group, dim
+
+    def vary(self, gathered, axes: tuple) -> tuple[torch.Tensor, tuple]:
+        """(`gathered` varying over the group's axes, the axes of `axes` still to lift)."""
+        if not set(self.group.axes) <= set(axes):
+            return gathered, axes
+        return (_VaryGathered.apply(self.src, gathered, self.group, self.dim),
+                tuple(a for a in axes if a not in self.group.axes))
+
+
 def all_gather(x: torch.Tensor, axis, dim: int = 0, tiled: bool = True) -> torch.Tensor:
     """Gather every rank's `x` along `dim` (tiled) or along a new dim `dim` (untiled).
 
     All ranks must pass the same shape. Ranks are ordered row-major over `axis` as given.
-    Transpose: `psum_scatter`.
+    The result is the same on every rank of `axis` (invariant over it: it may be returned
+    under an out spec that omits the axis). Transpose: this rank's block of the cotangent;
+    where the result feeds values that vary over `axis`, `psum_scatter` ([Note: typed
+    transposes]; untyped, always `psum_scatter`).
     """
     group = _group("all_gather", axis)
     x = _operand(x, "all_gather", group)
     if not _flag(tiled, "all_gather", "tiled"):
         dim = _dim(dim, x.dim() + 1, "all_gather")
-        return _AllGather.apply(x.unsqueeze(dim), group, dim)
-    if x.dim() == 0:
+        x = x.unsqueeze(dim)
+    elif x.dim() == 0:
         raise SpecError("all_gather(tiled=True) needs a tensor of rank >= 1; use tiled=False for scalars")
-    return _AllGather.apply(x, group, _dim(dim, x.dim(), "all_gather"))
+    else:
+        dim = _dim(dim, x.dim(), "all_gather")
+    types = _types("all_gather", group)
+    if types is None:
+        return _AllGather.apply(x, group, dim)
+    x = _vma.lift(x, group.axes, types)
+    with _vma.paused():
+        out = _AllGatherInvariant.apply(x, group, dim)
+    out._sf_gathered = _Gathered(x, group, dim)
+    return _vma.tag(out, _vma.vma(x, types) - set(group.axes), types)
 
 
 def psum_scatter(x: torch.Tensor, axis, dim: int = 0, tiled: bool = True) -> torch.Tensor:
@@ -346,7 +517,7 @@ def psum_scatter(x: torch.Tensor, axis, dim: int = 0, tiled: bool = True) -> tor
             f"dim {d} has size {n}, which must be {need}.\nFix: pad dim {d} to a multiple of {group.size}, "
             f"or scatter another dim."
         )
-    out = _PsumScatter.apply(x, group, d)
+    out = _vary_apply("psum_scatter", _PsumScatter, x, group, d)
     return out if tiled else out.squeeze(d)
 
 
@@ -396,7 +567,7 @@ def ppermute(x: torch.Tensor, axis, perm: Sequence[tuple[int, int]]) -> torch.Te
             f"as a destination" + (f"; out of range: {bad}" if bad else "") + ".\nFix: e.g. a ring shift "
             f"[(i, (i + 1) % {group.size}) for i in range({group.size})]."
         )
-    return _Ppermute.apply(x, group, pairs)
+    return _vary_apply("ppermute", _Ppermute, x, group, pairs)
 
 
 # -- all_to_all ------------------------------------------------------------------------
@@ -446,8 +617,8 @@ def all_to_all(x: torch.Tensor, axis, split_dim: int, concat_dim: int, tiled: bo
     if not tiled:
         c = _dim(concat_dim, x.dim(), "all_to_all", "concat_dim")
         moved = x.movedim(s, 0)  # (k, *rest): piece j goes to rank j
-        return _AllToAll.apply(moved, group, 0, 0).movedim(0, c)
-    return _AllToAll.apply(x, group, s, _dim(concat_dim, x.dim(), "all_to_all", "concat_dim"))
+        return _vary_apply("all_to_all", _AllToAll, moved, group, 0, 0).movedim(0, c)
+    return _vary_apply("all_to_all", _AllToAll, x, group, s, _dim(concat_dim, x.dim(), "all_to_all", "concat_dim"))
 
 
 # -- ragged_all_to_all -----------------------------------------------------------------
@@ -688,7 +859,14 @@ def ragged_all_to_all(operand: torch.Tensor, output: torch.Tensor, input_offsets
     if problems:
         raise _ragged_error(where, me, problems)
     plan = _RaggedPlan(ints["input_offsets"], ints["send_sizes"], [o for o, _ in incoming], ints["recv_sizes"])
-    return _RaggedAllToAll.apply(operand, output, group, plan)
+    types = _types("ragged_all_to_all", group)
+    if types is None:
+        return _RaggedAllToAll.apply(operand, output, group, plan)
+    axes = _vma.vma(operand, types) | _vma.vma(output, types) | set(group.axes)
+    operand, output = _vma.lift(operand, axes, types), _vma.lift(output, axes, types)
+    with _vma.paused():
+        out = _RaggedAllToAll.apply(operand, output, group, plan)
+    return _vma.tag(out, axes, types)
 
 
 def _ragged_error(where: str, me: int, problems: list[str]) -> SpecError:
@@ -700,12 +878,53 @@ def _ragged_error(where: str, me: int, problems: list[str]) -> SpecError:
         f"what peer j sends here.")
 
 
+# -- pvary -----------------------------------------------------------------------------
+
+
+def pvary(x, axis):
+    """Mark `x` as varying over `axis` (JAX's `lax.pvary`): no communication, the value is
+    unchanged; its transpose sums the cotangent over `axis`.
+
+    Inside a shard_map with `check_vma=True`, shardfn inserts it wherever an invariant value
+    meets a varying one ([Note: typed transposes]); call it yourself where a value varies
+    in a way the types cannot see (one built from `axis_index`, or random per rank), or
+    before an in-place write of varying values into an invariant tensor. Accepts a pytree.
+    Without types (check_vma=False, `sf.shard`'s loss_fn) it returns `x` unchanged.
+
+    Example:
+      >>> import shardfn as sf, torch
+      >>> mesh = sf.local_mesh({"i": 2})
+      >>> def f(w):  # w is replicated (P()); make it per rank, then return the blocks
+      ...     return sf.pvary(w, "i") * (sf.axis_index("i") + 1)
+      >>> sf.shard_map(f, mesh, sf.P(), sf.P("i"))(torch.ones(2))
+      tensor([1., 1., 2., 2.])
+    """
+    axes = bound_mesh("pvary", axis).axes(axis, where=f"pvary(axis={axis!r})")
+    _axes("pvary", axis)
+    group = bound_mesh("pvary", axis).group(axes)
+    types = _types("pvary", group)
+    if types is None:
+        return x
+    return _tree.tree_map(lambda leaf: _vma.lift(_operand(leaf, "pvary", group), axes, types), x)
+
+
 # -- indices ---------------------------------------------------------------------------
 
 
-def axis_index(axis) -> int:
-    """This rank's index along `axis` (row-major over a tuple of axes)."""
-    return _group("axis_index", axis).index
+def axis_index(axis):
+    """This rank's index along `axis` (row-major over a tuple of axes).
+
+    Inside a shard_map with varying-axis types (check_vma=True, the default) it is, as in
+    JAX, a value that varies over `axis`: a 0-d int64 tensor typed so ([Note: varying
+    axes]), usable in arithmetic and as an index (`xs[i]`, `x[i * n:]`); `int(i)` gives a
+    plain int, which the types no longer follow. Elsewhere (`sf.shard`'s loss_fn,
+    check_vma=False, rank code) it is a Python int.
+    """
+    group = _group("axis_index", axis)
+    types = _types("axis_index", group)
+    if types is None:
+        return group.index
+    return _vma.tag(torch.tensor(group.index), group.axes, types)
 
 
 def axis_size(axis) -> int:

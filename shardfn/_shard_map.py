@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from . import _tree
+from . import _tree, _vma
 from ._backend import ops
 from ._agree import check_same_everywhere
 from ._blocks import check_tensor, checked_spec, gather_blocks, slice_block
@@ -245,7 +245,7 @@ def _verify_replicated(group, where: list[str], xs) -> None:
             f"{group.axes} (their out spec omits those axes), but the values differ across ranks "
             f"{list(group.ranks)} (seen on rank index {group.index}).\nFix: name the axis in the out "
             f"spec (e.g. P('{group.axes[0]}')) if the output is sharded, or reduce it first "
-            f"(sf.psum / sf.pmean); pass check=False to skip this check."
+            f"(sf.psum / sf.pmean); without check=True this debug check does not run."
         )
 
 
@@ -271,10 +271,16 @@ class _Context:
     manual over the outer manual axes plus its own. The transpose rule's two boundary halves
     apply over this shard_map's own axes only. JAX's shard_map has the same semantics."""
 
-    def __init__(self, mesh, axis_names, name):
+    def __init__(self, mesh, axis_names, name, check_vma: bool):
         outer = current_binding()
         self.axes = tuple(mesh.axis_names) if axis_names is None else mesh.axes(
             tuple(axis_names), where=f"{name}(axis_names=...)")
+        self.types = self.outer_types = None
+        if check_vma:  # [Note: varying axes]; nested in a typed shard_map: its scope, its axes too
+            self.outer_types = _vma.current() if outer is not None else None
+            outer_axes = self.outer_types.axes if self.outer_types is not None else frozenset()
+            self.types = _vma.Types(mesh, outer_axes | set(self.axes),
+                                    self.outer_types.scope if self.outer_types is not None else None)
         if outer is None:
             self.split, self.manual = (), self.axes
             return
@@ -315,8 +321,8 @@ def _agree_on_structure(mesh, paths, leaves, treedef, agreed: set, name: str) ->
     agreed.add(key)
 
 
-def _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed=None, axis_names=None):
-    ctx = _Context(mesh, axis_names, name)
+def _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed=None, axis_names=None, check_vma=True):
+    ctx = _Context(mesh, axis_names, name, check_vma)
     paths, leaves, treedef = _tree.flatten_with_paths(args)
     if agreed is not None:
         _agree_on_structure(mesh, paths, leaves, treedef, agreed, name)
@@ -329,10 +335,13 @@ def _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed=None, ax
         if isinstance(leaf, torch.Tensor):
             check_tensor(leaf, mesh, f"{name}: argument {_tree.keystr(path)}")
             validate_spec(spec, tuple(leaf.shape), mesh.shape, where)
+            outer_vma = _vma.vma(leaf, ctx.outer_types) if ctx.outer_types is not None else frozenset()
             if ctx.split and spec.axes:  # whole outside: this rank's block ([Note: partial-manual shard_map])
                 leaf = _Scatter.apply(leaf, mesh, spec)
             omitted = _omitted(ctx.axes, spec)
-            if omitted and (leaf.is_floating_point() or leaf.is_complex()):
+            if ctx.types is not None:  # typed: varies over what its spec names (a view: the caller's stays untagged)
+                leaf = _vma.tag(leaf.view_as(leaf), outer_vma | (set(spec.axes) & set(ctx.axes)), ctx.types)
+            elif omitted and (leaf.is_floating_point() or leaf.is_complex()):
                 leaf = _InputBoundary.apply(leaf, mesh.group(omitted))
         elif spec.axes:
             raise SpecError(
@@ -340,19 +349,55 @@ def _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed=None, ax
                 f"in spec {spec!r} shards it over {spec.axes}.\nFix: give non-tensor arguments P() or None."
             )
         bound.append(leaf)
-    with binding(mesh, manual=ctx.manual):
+    with binding(mesh, manual=ctx.manual, types=ctx.types):
         out = f(*_tree.unflatten(treedef, bound))
     return _finish_outputs(mesh, out, out_specs, check, name, ctx)
+
+
+def _vma_error(name: str, bad: list) -> ShardingError:
+    """[Note: varying axes] outputs whose out spec omits axes they vary over."""
+    items = "\n".join(f"  - {'output' + path if path else 'the output'}: varies over {axes} (it is computed from values that differ across "
+                      f"those ranks), but its out spec {spec!r} omits them, which promises the same value on "
+                      f"every rank" for path, spec, axes in bad)
+    axes = sorted({a for _, _, ax in bad for a in ax})
+    return ShardingError(
+        f"{name}: out_specs do not match what the function returns:\n{items}\nFix: reduce it over "
+        f"{axes} first (sf.psum / sf.pmean / sf.all_gather), or name the axes in the out spec (e.g. "
+        f"P({axes[0]!r})) to return every rank's block; if it is in fact the same on every rank in a way the "
+        f"types cannot see, pass check_vma=False (and check=True to verify it at run time)."
+    )
+
+
+def _typed_outputs(paths, leaves, specs, ctx: _Context, name: str) -> list:
+    """Typed outputs: none may vary over an axis its out spec omits (an error, no
+    communication); one that is invariant over an axis its spec names is lifted there
+    (its cotangent varies over it and is summed: pvary's transpose)."""
+    types, bad, out = ctx.types, [], list(leaves)
+    for i, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        have = _vma.vma(leaf, types)
+        named = set(spec.axes) & set(ctx.axes)
+        stray = sorted(have & (set(ctx.axes) - named), key=ctx.axes.index)
+        if stray:
+            bad.append((_tree.keystr(path), spec, stray))
+        elif named - have:
+            out[i] = _vma.lift(leaf, named, types)
+    if bad:
+        raise _vma_error(name, bad)
+    return out
 
 
 def _finish_outputs(mesh, out, out_specs, check, name, ctx: _Context):
     paths, leaves, treedef = _tree.flatten_with_paths(out)
     specs = _tree.broadcast_prefix(out_specs, out, what="out_specs", is_prefix_leaf=is_spec)
+    specs = [as_spec(spec, f"{name}: out_specs for output {_tree.keystr(path)}") for path, spec in zip(paths, specs)]
+    if ctx.types is not None:
+        leaves = _typed_outputs(paths, leaves, specs, ctx, name)
     by_group: dict[tuple[str, ...], list[int]] = {}
     split: dict[int, PartitionSpec] = {}
     for i, (path, leaf, spec) in enumerate(zip(paths, leaves, specs)):
         where = f"{name}: out_specs for output {_tree.keystr(path)}"
-        spec = as_spec(spec, where)
         ctx.check_spec(spec, where)
         if not isinstance(leaf, torch.Tensor):
             continue
@@ -372,14 +417,18 @@ def _finish_outputs(mesh, out, out_specs, check, name, ctx: _Context):
             for i, y in zip(idx, checked):
                 leaves[i] = y
         for i in idx:
-            if leaves[i].is_floating_point() or leaves[i].is_complex():
+            if ctx.types is None and (leaves[i].is_floating_point() or leaves[i].is_complex()):
                 leaves[i] = _OutputBoundary.apply(leaves[i], group.size)
     for i, spec in split.items():  # back to whole over the axes that are auto outside
+        outer = _vma.vma(leaves[i], ctx.types) if ctx.outer_types is not None else frozenset()
         leaves[i] = _Gather.apply(leaves[i], mesh, spec)
+        if ctx.outer_types is not None:
+            _vma.tag(leaves[i], outer & ctx.outer_types.axes, ctx.outer_types)
     return _tree.unflatten(treedef, leaves)
 
 
-def shard_map(f: Callable, mesh, in_specs, out_specs, *, check: bool = True, axis_names=None) -> Callable:
+def shard_map(f: Callable, mesh, in_specs, out_specs, *, check_vma: bool = True, check: bool = False,
+              axis_names=None) -> Callable:
     """Map `f` over local blocks: inside, every tensor is this rank's block.
 
     Args:
@@ -389,8 +438,17 @@ def shard_map(f: Callable, mesh, in_specs, out_specs, *, check: bool = True, axi
         per argument subtree. An axis absent from a spec means "replicated over that axis".
       out_specs: likewise for the outputs. An axis absent from an out spec promises the
         output is the same on every rank along it.
-      check: verify that promise in the forward (one small all-reduce per call; see
-        [Note: the replication check]).
+      check_vma: track, for every value inside `f`, the manual axes it varies over (JAX's
+        check_vma; [Note: varying axes]). An output that varies over an axis its out spec
+        omits is then an error, found without communication, and the transposes follow the
+        types: a psum costs nothing in the backward, and a cotangent is summed only where
+        an invariant value fed varying work ([Note: typed transposes]). False: the
+        boundary rule instead ([Note: the psum transpose rule]): correct, but an
+        all-reduce per replicated input in the backward, and no static check.
+      check: also verify the promise at run time (a debug check: one small all-reduce per
+        call, [Note: the replication check]), and, once per argument structure, that every
+        rank passed the same tree of blocks. Catches what the types cannot see (values
+        built from `axis_index`).
       axis_names: the axes `f` is manual over (default: all). Over the others the code
         inside stays as the code around it: specs and collectives may name only these
         axes. Nested in another shard_map or in `sf.shard`'s `loss_fn` (over axes that are
@@ -415,9 +473,11 @@ def shard_map(f: Callable, mesh, in_specs, out_specs, *, check: bool = True, axi
 
     def mapped(*args):
         if mesh.kind == "simulated" and not mesh.in_rank():
-            return global_call(lambda *a: _local_call(f, mesh, in_specs, out_specs, check, a, name, axis_names=axis_names),
+            return global_call(lambda *a: _local_call(f, mesh, in_specs, out_specs, check, a, name,
+                                                      axis_names=axis_names, check_vma=check_vma),
                                mesh, in_specs, out_specs, args, name)
-        return _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed if check else None, axis_names)
+        return _local_call(f, mesh, in_specs, out_specs, check, args, name, agreed if check else None, axis_names,
+                           check_vma)
 
     mapped.__wrapped__ = f
     return mapped

@@ -58,21 +58,40 @@ def test_mismatched_out_specs_tree_shows_key_path(mesh):
         f(torch.ones(2))
 
 
-def test_violated_replication_is_an_error_under_check(mesh):
+def test_varying_output_under_a_replicated_spec_is_a_static_error(mesh):
     f = sf.shard_map(lambda x: x * 2, mesh, P("data"), P())
+    with pytest.raises(sf.ShardingError, match=r"(?s)out_specs do not match what the function returns:\n  - the "
+                                               r"output: varies over \['data'\].*out spec P\(\) omits them.*Fix: "
+                                               r"reduce it over \['data'\] first \(sf.psum / sf.pmean / "
+                                               r"sf.all_gather\), or name the axes in the out spec \(e.g. "
+                                               r"P\('data'\)\).*check_vma=False"):
+        f(torch.arange(4.0))
+
+
+def test_varying_output_error_names_every_bad_output_path(mesh):
+    f = sf.shard_map(lambda x, y: {"ok": sf.psum(x, "data"), "bad": x, "worse": [y + x]}, mesh,
+                     (P("data"), P("model")), {"ok": P(), "bad": P(), "worse": [P("data")]})
+    with pytest.raises(sf.ShardingError, match=r"(?s)  - output\['bad'\]: varies over \['data'\].*"
+                                               r"  - output\['worse'\]\[0\]: varies over \['model'\].*"
+                                               r"out spec P\('data'\) omits them"):
+        f(torch.arange(4.0), torch.arange(4.0))
+
+
+def test_runtime_replication_check_is_opt_in(mesh):
+    # the types cannot see a value built from a Python int; check=True finds it at run time
+    def f(x):
+        return x * float(sf.axis_index("data"))
+
+    g = sf.shard_map(f, mesh, P(), P(), check=True)
     with pytest.raises(sf.ShardingError, match=r"(?s)out_specs promise that \['output'\] are the same on every "
-                                               r"rank of mesh axes \('data', 'model'\).*pass check=False"):
-        f(torch.arange(4.0))
+                                               r"rank of mesh axes \('data', 'model'\).*without check=True"):
+        g(torch.arange(4.0))
+    # without it: rank 0's block, no error and no collective
+    torch.testing.assert_close(sf.shard_map(f, mesh, P(), P())(torch.arange(4.0)), torch.zeros(4))
 
 
-def test_violated_replication_names_the_output_path(mesh):
-    f = sf.shard_map(lambda x: {"ok": sf.psum(x, "data"), "bad": x}, mesh, P("data"), {"ok": P(), "bad": P()})
-    with pytest.raises(sf.ShardingError, match=r"promise that \[\"output\['bad'\]\"\]"):
-        f(torch.arange(4.0))
-
-
-def test_violated_replication_passes_with_check_false(mesh):
-    f = sf.shard_map(lambda x: x * 2, mesh, P("data"), P(), check=False)
+def test_varying_output_passes_with_check_vma_false(mesh):
+    f = sf.shard_map(lambda x: x * 2, mesh, P("data"), P(), check_vma=False)
     torch.testing.assert_close(f(torch.arange(4.0)), torch.tensor([0.0, 2.0]))  # rank 0's block
 
 
