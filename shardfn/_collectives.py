@@ -905,7 +905,12 @@ def pvary(x, axis):
     types = _types("pvary", group)
     if types is None:
         return x
-    return _tree.tree_map(lambda leaf: _vma.lift(_operand(leaf, "pvary", group), axes, types), x)
+    def one(leaf):
+        lifted = _vma.lift(_operand(leaf, "pvary", group), axes, types)
+        # a copy, unlike the implicit lifts: the caller may write into it in place
+        return lifted if lifted is leaf else _vma.tag(lifted.clone(), _vma.vma(lifted, types), types)
+
+    return _tree.tree_map(one, x)
 
 
 # -- indices ---------------------------------------------------------------------------
