@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _tree
+from . import _vma
 from ._collectives import current_binding
 from ._errors import SpecError
 from ._fsdp.view import materialize
@@ -198,6 +199,9 @@ class _Call:
         self.fn, self.policy, self.offload_to = fn, policy, offload_to
         self.treedef, self.leaves, self.slots = treedef, leaves, slots  # slots: positions of tensor leaves
         self.binding = current_binding()
+        self.types = _vma.current()  # a typed shard_map body: its inputs' types, for the recompute
+        self.vmas = [_vma.vma(leaves[i], self.types) for i in slots]
+        self.out_vmas: list = []
         self.out_treedef = None
         self.out_static: list = []  # non-tensor outputs, by position
         self.out_slots: list[int] = []
@@ -208,8 +212,8 @@ class _Call:
 
     def call(self, tensors):
         leaves = list(self.leaves)
-        for slot, t in zip(self.slots, tensors):
-            leaves[slot] = t
+        for slot, t, v in zip(self.slots, tensors, self.vmas):
+            leaves[slot] = _vma.tag(t, v, self.types) if self.types is not None else t
         args, kwargs = _tree.unflatten(self.treedef, leaves)
         return self.fn(*args, **kwargs)
 
@@ -230,6 +234,7 @@ class _Call:
             self.out_treedef = treedef
             self.out_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
             self.out_static = leaves
+            self.out_vmas = [_vma.vma(leaves[i], self.types) for i in self.out_slots]
         return tuple(leaves[i] for i in self.out_slots)
 
     def unflatten_outputs(self, tensors):
@@ -400,6 +405,8 @@ def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_t
         slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         call = _Call(fn, policy, offload, treedef, leaves, slots)
         outs = _Remat.apply(call, *[leaves[i] for i in slots])
+        if call.types is not None:  # the types the forward saw ([Note: varying axes])
+            outs = tuple(_vma.tag(o, v, call.types) for o, v in zip(outs, call.out_vmas))
         return call.unflatten_outputs(outs)
 
     wrapped.__wrapped__ = fn

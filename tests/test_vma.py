@@ -307,3 +307,25 @@ def test_axis_index_is_a_varying_tensor_in_typed_bodies_and_an_int_elsewhere():
     kinds = mesh.run(lambda: sf.shard_map(lambda x: (type(sf.axis_index("i")).__name__, x), mesh, P(), P(),
                                           check_vma=False)(torch.ones(1))[0])
     assert kinds == ["int", "int"]
+
+
+@pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
+def test_remat_inside_a_typed_body_keeps_the_types(policy):
+    """The recompute re-enters the body's types: the replicated input's lift (and its
+    gradient's psum) happens again in the backward, and outputs keep their types."""
+    mesh = sf.local_mesh({"m": 2})
+    gen = torch.Generator().manual_seed(3)
+    x, w1, w2 = (torch.randn(s, generator=gen, dtype=F64) for s in ((5, 3), (3, 8), (8, 3)))
+
+    def block(x, w1, w2):
+        return torch.tanh(x @ w1) @ w2
+
+    remat = sf.remat(block, policy=getattr(sf.remat_policies, policy))
+    specs = (P(), P(None, "m"), P("m", None))
+    f = sf.shard_map(lambda *a: sf.psum(remat(*a), "m"), mesh, specs, P())
+    args = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    f(*args).sum().backward()
+    want = torch.func.grad(lambda *a: block(*a).sum(), argnums=(0, 1, 2))(x, w1, w2)
+    assert _maxdiff([a.grad for a in args], want) <= 1e-12
+    with pytest.raises(sf.ShardingError, match=r"the output: varies over \['m'\]"):
+        sf.shard_map(remat, mesh, specs, P())(x, w1, w2)
