@@ -120,7 +120,7 @@ def vma(t, types: Types | None = None) -> frozenset:
     got = getattr(t, _ATTR, None)
     if got is None or got[0] is not types.scope:
         return frozenset()
-    return got[1] & types.axes
+    return got[1]  # tags are written within the scope's axes (inputs, unions, collectives)
 
 
 def tag(t, axes, types: Types | None = None):
@@ -259,15 +259,19 @@ def _lift_arg(a, union, types):
 class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
-        types = current()
-        if types is None or _state.paused or func in _SKIP:
+        if func in _SKIP or _state.paused:
             return func(*args, **kwargs)
-        tensors = _tensors(args, kwargs)
+        types = current()
+        tensors = _tensors(args, kwargs) if types is not None else None
         if not tensors:
             return func(*args, **kwargs)
-        vmas = [vma(t, types) for t in tensors]
-        union = frozenset().union(*vmas)
-        if union and any(v != union for v in vmas):
+        if len(tensors) == 1:  # most ops: the result's type is the operand's
+            vmas = None
+            union = vma(tensors[0], types)
+        else:
+            vmas = [vma(t, types) for t in tensors]
+            union = frozenset().union(*vmas)
+        if vmas is not None and union and any(v != union for v in vmas):
             if _inplace(func, kwargs):
                 target = args[0] if args else kwargs.get("out")
                 if isinstance(target, torch.Tensor) and vma(target, types) != union and target.requires_grad:
