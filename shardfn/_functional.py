@@ -234,4 +234,7 @@ def _meta_copy(module: nn.Module) -> nn.Module:
         id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         for _, p in module.named_parameters(remove_duplicate=False)
     }
+    for m in module.modules():  # torch.compile(m)'s context (its backend) is shared, not copied
+        if _is_optimized(m):
+            memo[id(m.dynamo_ctx)] = m.dynamo_ctx
     return copy.deepcopy(module, memo)
