@@ -105,3 +105,12 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | {"testing"})
+
+
+def _prime_compile() -> None:
+    from ._compile import skip_wrappers
+
+    skip_wrappers()  # a no-op unless torch._dynamo is imported already ([Note: no whole-step graph])
+
+
+_prime_compile()

@@ -12,17 +12,25 @@ place, which is not thread-safe: rank threads of a simulated mesh sharing one mo
 mix each other's parameters. Each thread gets its own copy, whose parameters live on the
 meta device (no memory; the real values always come from the tree). Ties survive the
 copy, and buffers (persistent or not, e.g. rotary tables) are copied and used as they are.
+
+Compiled blocks (`compile=`, or blocks compiled before the split) are in _compile.py:
+[Note: compiled blocks]. A module wrapped by `torch.compile(module)` appears in the tree
+as the module itself (no `_orig_mod` level), so a compiled model's tree and checkpoints
+are the plain model's.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 from typing import Callable
 
 import torch
 from torch import nn
 
+from ._compile import CompiledForward, compile_context, compile_options, not_traced
+from ._errors import SpecError
 from ._fsdp.view import together
 
 __all__ = ["functional"]
@@ -31,6 +39,8 @@ __all__ = ["functional"]
 def _walk(module: nn.Module, path: tuple, name: str, seen: set[int], leaves: list, children: dict):
     """Build the params tree of `module`; record (tree path, dotted name) of every leaf and
     the dotted module name of every child of a list container."""
+    if _is_optimized(module):  # torch.compile(module): the tree skips its `_orig_mod` level
+        return _walk(module._orig_mod, path, f"{name}._orig_mod" if name else "_orig_mod", seen, leaves, children)
     if isinstance(module, (nn.ModuleList, nn.Sequential)):
         node = []
         for i, (child_name, child) in enumerate(module.named_children()):
@@ -57,7 +67,7 @@ def _get(tree, path):
     return tree
 
 
-def functional(module: nn.Module, *, remat=None) -> tuple[Callable, dict]:
+def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable, dict]:
     """Split an `nn.Module` into `(apply_fn, params)`.
 
     Args:
@@ -65,6 +75,17 @@ def functional(module: nn.Module, *, remat=None) -> tuple[Callable, dict]:
       remat: a policy from `sf.remat_policies` (or True for `nothing_saveable`): each child
         of the first `ModuleList` / `Sequential` (the blocks, shard's default units) runs
         under `sf.remat` with it, so its activations are recomputed in the backward.
+      compile: True, or a dict of `torch.compile` keyword arguments (`{"mode":
+        "max-autotune", "fullgraph": True}`): the forward of each of those blocks is
+        compiled, one graph per block (blocks of one class share it, across rank threads
+        too), between its unit's all-gather and, in the backward, its reduce-scatter,
+        which stay outside the graphs. Blocks compiled before the split
+        (`torch.compile(block)`, `block.compile(...)`) are compiled the same way, with
+        their own options, and so are the blocks of a module compiled as a whole
+        (`torch.compile(model)`, with its options; the code around the blocks is left to
+        torch.compile, which runs a forward that loops over its blocks eagerly). Under
+        `torch.func` transforms the blocks run eagerly (torch does not run compiled code
+        there). docs/howto/compile.md has the details.
 
     Returns:
       `apply_fn(params, *args, **kwargs)` calling the module's forward with those
@@ -79,7 +100,22 @@ def functional(module: nn.Module, *, remat=None) -> tuple[Callable, dict]:
       [['bias', 'weight'], [], ['bias', 'weight']]
       >>> apply_fn(params, torch.ones(5, 3)).shape
       torch.Size([5, 2])
+
+      Compiled blocks (the first call compiles them: seconds to a minute):
+
+      >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+      >>> apply_fn, params = sf.functional(net, compile={"backend": "aot_eager"})
+      >>> apply_fn(params, torch.ones(5, 3)).shape
+      torch.Size([5, 2])
     """
+    options = compile_options(compile)
+    if options is not None and remat is not None and remat is not False:
+        raise SpecError(
+            "sf.functional: remat= and compile= together would run the blocks eagerly: sf.remat recomputes a "
+            "block under torch.func.vjp, where torch does not run compiled code.\nFix: keep compile= and "
+            "recompute inside the compiled block with torch.utils.checkpoint.checkpoint(..., use_reentrant=False) "
+            "in its forward (torch.compile recomputes it in its backward graph), or keep remat= without compile=."
+        )
     if remat is True:
         from ._remat import policies
 
@@ -100,16 +136,34 @@ def functional(module: nn.Module, *, remat=None) -> tuple[Callable, dict]:
             units.setdefault(i, (child, []))[1].append((path, dotted[len(child) + 1 :]))
         else:
             root.append((path, dotted))
+    # Modules compiled with Module.compile(): a deep copy drops that, so each copy gets it again.
+    recompile = {name: compile_context(m, name) for name, m in module.named_modules()
+                 if getattr(m, "_compiled_call_impl", None) is not None}
+    around = dict(recompile, **{name: m.dynamo_ctx for name, m in module.named_modules() if _is_optimized(m)})
+    unit_compilers = {}
+    for child_name, _ in units.values():
+        if child_name in recompile:  # block.compile(...)
+            unit_compilers[child_name] = recompile.pop(child_name)
+        elif options is not None:
+            unit_compilers[child_name] = _torch_compile(options)
+        else:  # a compiled module around the blocks: the blocks are compiled with its options
+            outer = [name for name in around if child_name.startswith(f"{name}.") or not name]
+            if outer:
+                unit_compilers[child_name] = around[max(outer, key=len)]
     local = threading.local()
 
     def thread_module() -> nn.Module:
         copy_ = getattr(local, "module", None)
         if copy_ is None:
             copy_ = local.module = _meta_copy(module)
+            for name, ctx in recompile.items():  # inside a block, or around the blocks
+                m = copy_.get_submodule(name)
+                m._compiled_call_impl = ctx(m._call_impl)
             for child_name, paths in units.values():
-                _bind_child(copy_.get_submodule(child_name), paths, local, remat)
+                _bind_child(copy_.get_submodule(child_name), paths, local, remat, unit_compilers.get(child_name))
         return copy_
 
+    @not_traced(_APPLY_EAGER, warn=True)  # [Note: no whole-step graph] in _compile.py
     def apply_fn(params, *args, **kwargs):
         m = thread_module()
         with together(held=True):  # bound for the whole forward (embeddings, a tied head)
@@ -124,8 +178,31 @@ def functional(module: nn.Module, *, remat=None) -> tuple[Callable, dict]:
     return apply_fn, params
 
 
-def _bind_child(child: nn.Module, paths, local, remat=None) -> None:
+_APPLY_EAGER = (
+    "torch.compile does not trace sf.functional's apply_fn (it reads sharded parameters, which all-gathers "
+    "them): it runs eagerly, as one graph break. Compile the blocks with sf.functional(model, compile=True) "
+    "(docs/howto/compile.md)."
+)
+_BLOCK_EAGER = "the gather of a block's unit runs eagerly, between graphs ([Note: compiled blocks])"
+
+
+def _is_optimized(module: nn.Module) -> bool:
+    """`module` is `torch.compile(m)` (torch._dynamo's OptimizedModule; not imported unless
+    torch._dynamo is, which takes a second)."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    return dynamo is not None and isinstance(module, dynamo.OptimizedModule)
+
+
+def _torch_compile(options: dict) -> Callable:
+    return lambda fn: torch.compile(fn, **options)
+
+
+def _bind_child(child: nn.Module, paths, local, remat=None, compiler=None) -> None:
     original = child.forward
+    if _is_optimized(child):  # torch.compile(block): its forward is compiled already
+        original = CompiledForward(original, child._orig_mod.__call__)
+    elif compiler is not None:
+        original = CompiledForward(compiler(original), original)
     active = threading.local()
 
     def run(unit, *args, **kwargs):  # the child's own forward, with its unit's parameters
@@ -141,6 +218,7 @@ def _bind_child(child: nn.Module, paths, local, remat=None) -> None:
 
         run = rematerialize(run, policy=remat)
 
+    @not_traced(_BLOCK_EAGER)  # a compiled module around the blocks: a graph break here
     def forward(*args, **kwargs):
         if getattr(active, "on", False):
             return original(*args, **kwargs)
@@ -156,4 +234,7 @@ def _meta_copy(module: nn.Module) -> nn.Module:
         id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         for _, p in module.named_parameters(remove_duplicate=False)
     }
+    for m in module.modules():  # torch.compile(m)'s context (its backend) is shared, not copied
+        if _is_optimized(m):
+            memo[id(m.dynamo_ctx)] = m.dynamo_ctx
     return copy.deepcopy(module, memo)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._backend import ops
+from .._compile import not_traced
 from .._collectives import _Psum
 from .._errors import ShardingError
 from .plan import copy_out, leaf_views, pack_shards
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GatherUnit", "ReduceScatterUnit", "GatherStacked", "GatherTangent", "LossMean", "plain", "stacked"]
 
+_BACKWARD = "shard's backward nodes (re-gathers, reduce-scatters) run eagerly ([Note: no whole-step graph])"
 _NESTED_STACKING = "shard: vmap over stacked shards nests once (one ensemble dimension)"
 
 # [Note: stacked shards]
@@ -82,6 +84,7 @@ class GatherUnit(torch.autograd.Function):
         ctx.rs, ctx.u = inputs[0], inputs[1]
 
     @staticmethod
+    @not_traced(_BACKWARD)
     def backward(ctx, *grads):
         ctx.rs.unit_backward(ctx.u)
         return (None, None) + tuple(ReduceScatterUnit.apply(ctx.rs, ctx.u, False, *grads))
@@ -115,6 +118,7 @@ class ReduceScatterUnit(torch.autograd.Function):
         pass
 
     @staticmethod
+    @not_traced(_BACKWARD)
     def backward(ctx, *gg):
         raise ShardingError("shard: differentiating through the gradient reduce-scatter (double backward) is not supported")
 
@@ -152,6 +156,7 @@ class GatherStacked(torch.autograd.Function):
         ctx.rs, ctx.u = inputs[0], inputs[1]
 
     @staticmethod
+    @not_traced(_BACKWARD)
     def backward(ctx, *grads):
         return (None, None) + tuple(ReduceScatterUnit.apply(ctx.rs, ctx.u, True, *grads))
 
@@ -186,6 +191,7 @@ class GatherTangent(torch.autograd.Function):
         pass
 
     @staticmethod
+    @not_traced(_BACKWARD)
     def backward(ctx, *gs):
         raise ShardingError("shard: reverse mode over forward mode through a unit gather is not supported")
 
@@ -217,6 +223,7 @@ class LossMean(torch.autograd.Function):
         ctx.rs = inputs[1]
 
     @staticmethod
+    @not_traced(_BACKWARD)
     def backward(ctx, g):
         rs = ctx.rs
         rs.backward_start()

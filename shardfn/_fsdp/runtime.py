@@ -18,6 +18,7 @@ import torch
 
 from .. import _tree
 from .._backend import ops
+from .._compile import not_traced
 from .._errors import ShardingError
 from .._shard_map import replicated_mismatch
 from . import reduce
@@ -75,6 +76,7 @@ __all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState"]
 # is there (they gather beside the buffer), so such a use fails loudly ("storage of size
 # 0") instead of reading a buffer an all-gather is filling.
 
+_READ = "a parameter read inside a shard step gathers its unit eagerly: a graph break"
 _IN_FLIGHT = 2  # deferred reduce-scatters at once ([Note: deferred reductions])
 
 # Schedule work (gathers, frees) also runs inside backward functions, where functorch
@@ -320,6 +322,7 @@ class RankState:
                 if not self.units[i].plan.is_root and not self.units[i].pinned:
                     self.units[i].reshard(post_forward=True)
 
+    @not_traced(_READ)  # [Note: no whole-step graph] in shardfn/_compile.py
     def leaf(self, i: int) -> torch.Tensor:
         """What `loss_fn` sees for params leaf i: its full value, gathering its unit on
         first access (one GatherUnit node per unit and step)."""

@@ -14,6 +14,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from .. import _tree
+from .._compile import WHOLE_STEP, not_traced
 from .._agree import check_same_everywhere
 from .._backend import ops
 from .._collectives import binding, bound_mesh
@@ -31,6 +32,8 @@ from .view import make_view
 
 __all__ = ["shard", "Shard"]
 
+_COLLECTIVES = "shard's collectives run eagerly ([Note: no whole-step graph] in shardfn/_compile.py)"
+
 
 class Shard:
     """The callable returned by `sf.shard`. See `shard` for the arguments."""
@@ -47,6 +50,7 @@ class Shard:
         self.__wrapped__ = loss_fn
 
     # -- params <-> shards ----------------------------------------------------------------
+    @not_traced(_COLLECTIVES)
     def shard_params(self, params):
         """This rank's shards of a full parameter tree that every rank holds.
 
@@ -140,6 +144,7 @@ class Shard:
             "every rank.",
         )
 
+    @not_traced(_COLLECTIVES)
     def unshard_params(self, shards):
         """The full parameter tree on every rank (for evaluation or export); no autograd."""
         plan = self._plan_for(shards)
@@ -181,6 +186,7 @@ class Shard:
         return dict.fromkeys(Stats.KEYS, 0)
 
     # -- gradients ------------------------------------------------------------------------
+    @not_traced(WHOLE_STEP, warn=True)  # [Note: no whole-step graph] in shardfn/_compile.py
     def grad_and_value(self, shards, batch, *rest):
         """`(grads, loss)` (with `has_aux`: `(grads, (loss, aux))`), like
         `torch.func.grad_and_value(step)` but on eager autograd, with each unit's gradient
@@ -200,6 +206,7 @@ class Shard:
         return grads, value
 
     # -- gradient accumulation ------------------------------------------------------------
+    @not_traced(WHOLE_STEP, warn=True)  # [Note: no whole-step graph] in shardfn/_compile.py
     def accumulate(self, shards, micro_batches, *rest, mode: str = "reduce_each"):
         """`(grads, loss)` of one step over several micro-batches, equal to one big batch
         (the order of `torch.func.grad_and_value` and `Shard.grad_and_value`).
@@ -300,6 +307,7 @@ class Shard:
         paths, leaves, treedef = _tree.flatten_with_paths(batch)
         return _tree.unflatten(treedef, [fix(p, x) for p, x in zip(paths, leaves)])
 
+    @not_traced(WHOLE_STEP, warn=True)  # [Note: no whole-step graph] in shardfn/_compile.py
     def __call__(self, shards, batch, *rest):
         if bound_mesh() is not None:
             raise ShardingError("shard: a shard step cannot run inside another shard / shard_map")

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._compile import not_traced
 from .._fsdp.eager import eager_grad_and_value
 from .base import GradientTransformation, apply_updates
 
@@ -65,6 +66,7 @@ def train_step(
     else:
         grad_and_value = functools.partial(eager_grad_and_value, step, has_aux=has_aux)
 
+    @not_traced(_TRAIN_EAGER, warn=True)  # [Note: no whole-step graph] in shardfn/_compile.py
     def train(shards, opt_state, batch):
         grads, value = grad_and_value(shards, batch)
         with torch.no_grad():
@@ -77,3 +79,10 @@ def train_step(
 
     return train
 
+
+_TRAIN_EAGER = (
+    "torch.compile does not capture sf.train_step's step whole: it runs eagerly, as one graph break (a shard "
+    "step's collectives and schedule are not traceable, and the optimizer's step count and schedules would "
+    "recompile it every step). Compile the blocks with sf.functional(model, compile=True) and use the fused "
+    "optimizer, sf.optim.adamw(..., fused=True) (docs/howto/compile.md)."
+)
