@@ -209,8 +209,9 @@ def not_traced(reason: str, warn: bool = False) -> Callable[[Callable], Callable
     blocks). That also covers our frames that run while a dynamo callback is active but
     nothing traces them: a frame dynamo gave up on, or autograd running our backward
     nodes under `loss.backward()` inside a compiled function. `warn`: say so, with
-    `reason`, the first time it is called under torch.compile. Without torch._dynamo imported (nothing
-    can be compiling) it is a plain call; with it, about a microsecond more."""
+    `reason`, the first time it is called under torch.compile. Without torch._dynamo
+    imported (nothing can be compiling) it is a plain call; with it, about a microsecond
+    more."""
 
     def decorate(fn: Callable) -> Callable:
         disabled: list[Callable] = []
