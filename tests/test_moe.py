@@ -88,7 +88,7 @@ def level1(R, E, k, n, d=5, h=6, extra_capacity=0, seed=0):
     _, want_tan = torch.func.jvp(ref, (params, x), (tan_p, tan_x))
     router_grads = [r[1]["router"] for r in per_rank]  # psummed over 'expert' by shard_map's rule (2)
     assert all(torch.equal(router_grads[0], r) for r in router_grads)
-    assert want_gp["router"].abs().max() > 1e-3  # the router does get a gradient, through the gates
+    assert want_gp["router"].abs().max() > 1e-9  # the router does get a gradient, through the gates (small when k = E)
     return {"out": max_diff(out, want_out), "grad params": max_diff(per_rank[0][1], want_gp),
             "grad x": max_diff(gx, want_gx), "jvp": max_diff(tan, want_tan)}
 
