@@ -140,21 +140,24 @@ def _types(op: str, group: Group) -> _vma.Types | None:
     )
 
 
-def _varying(types, x: torch.Tensor, axes) -> torch.Tensor:
-    """`x`, lifted to vary over `axes` when typed (collectives that take varying operands)."""
-    return x if types is None else _vma.lift(x, axes, types)
+def _typed_apply(types: _vma.Types, fn, x: torch.Tensor, group: Group, *rest, reduces: bool) -> torch.Tensor:
+    """`fn.apply(x, group, *rest)` in a typed body: the operand lifted to vary over the
+    group's axes, the result tagged — invariant over them if the collective `reduces`
+    (psum, pmax, all_gather), varying otherwise ([Note: varying axes])."""
+    x = _vma.lift(x, group.axes, types)
+    with _vma.paused():
+        out = fn.apply(x, group, *rest)
+    axes = _vma.vma(x, types)
+    return _vma.tag(out, axes - set(group.axes) if reduces else axes, types)
 
 
 def _vary_apply(op: str, fn, x: torch.Tensor, group: Group, *rest) -> torch.Tensor:
     """`fn.apply(x, group, *rest)` for a collective whose operand and result vary over the
-    group's axes: typed, the operand is lifted first and the result tagged."""
+    group's axes (typed or not)."""
     types = _types(op, group)
     if types is None:
         return fn.apply(x, group, *rest)
-    x = _vma.lift(x, group.axes, types)
-    with _vma.paused():
-        out = fn.apply(x, group, *rest)
-    return _vma.tag(out, _vma.vma(x, types), types)
+    return _typed_apply(types, fn, x, group, *rest, reduces=False)
 
 
 def _front(x: torch.Tensor, bdim: int | None) -> torch.Tensor:
@@ -256,10 +259,8 @@ def _psum_leaf(leaf, group: Group, op: str):
     types = _types(op, group)
     if types is None:
         return _Psum.apply(x, group)
-    x = _vma.lift(x, group.axes, types)  # an invariant operand is summed N times, as in JAX
-    with _vma.paused():
-        out = _vma.PsumInvariant.apply(x, group)
-    return _vma.tag(out, _vma.vma(x, types) - set(group.axes), types)
+    # an invariant operand is lifted, so summed N times, as in JAX
+    return _typed_apply(types, _vma.PsumInvariant, x, group, reduces=True)
 
 
 # -- pmax / pmin -----------------------------------------------------------------------
@@ -309,10 +310,7 @@ def _extremum(x, axis, op: str, name: str) -> torch.Tensor:
     types = _types(name, group)
     if types is None:
         return _Pextremum.apply(x, group, op, False)
-    x = _vma.lift(x, group.axes, types)
-    with _vma.paused():
-        out = _Pextremum.apply(x, group, op, True)
-    return _vma.tag(out, _vma.vma(x, types) - set(group.axes), types)
+    return _typed_apply(types, _Pextremum, x, group, op, True, reduces=True)
 
 
 def pmax(x: torch.Tensor, axis) -> torch.Tensor:
@@ -490,10 +488,9 @@ def all_gather(x: torch.Tensor, axis, dim: int = 0, tiled: bool = True) -> torch
     if types is None:
         return _AllGather.apply(x, group, dim)
     x = _vma.lift(x, group.axes, types)
-    with _vma.paused():
-        out = _AllGatherInvariant.apply(x, group, dim)
+    out = _typed_apply(types, _AllGatherInvariant, x, group, dim, reduces=True)
     out._sf_gathered = _Gathered(x, group, dim)
-    return _vma.tag(out, _vma.vma(x, types) - set(group.axes), types)
+    return out
 
 
 def psum_scatter(x: torch.Tensor, axis, dim: int = 0, tiled: bool = True) -> torch.Tensor:
@@ -899,9 +896,8 @@ def pvary(x, axis):
       >>> sf.shard_map(f, mesh, sf.P(), sf.P("i"))(torch.ones(2))
       tensor([1., 1., 2., 2.])
     """
-    axes = bound_mesh("pvary", axis).axes(axis, where=f"pvary(axis={axis!r})")
-    _axes("pvary", axis)
-    group = bound_mesh("pvary", axis).group(axes)
+    group = _group("pvary", axis)
+    axes = group.axes
     types = _types("pvary", group)
     if types is None:
         return x

@@ -301,12 +301,3 @@ def _inplace_error(func, target, union, have) -> ShardingError:
         f"its gradient would miss the sum over {extra}.\nFix: write it out of place (y = x + v), or lift the "
         f"tensor first: x = sf.pvary(x, {tuple(extra)!r})."
     )
-
-
-def check_axes_ok(axes, where: str) -> None:
-    """For sf.pvary: raise unless every axis is tracked here."""
-    types = current()
-    stray = [a for a in axes if types is not None and a not in types.axes]
-    if stray:
-        raise ShardingError(f"{where}: {stray} are not manual axes of the enclosing shard_map "
-                            f"(tracked here: {sorted(types.axes)}).")
