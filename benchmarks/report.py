@@ -142,8 +142,13 @@ def targets_table(report: dict) -> str:
     rows = target_rows(report)
     body = [[what, label, str(n), fmt(v), f"<= {limit:g}", "**met**" if ok else "not met"]
             for what, label, n, v, limit, ok in rows]
-    met = sum(ok for *_, ok in rows)
-    summary = f"{met} of {len(rows)} target rows met in this run."
+    lines = []
+    for what, _, limit, worlds in TARGETS:
+        mine = [r for r in rows if r[0] == what]
+        hit = [f"{label} N={n}" for _, label, n, _, _, ok in mine if ok]
+        lines.append(f"- {what} <= {limit:g}: met on {len(hit)} of {len(mine)} rows"
+                     + (f" ({', '.join(hit)})." if hit else "."))
+    summary = "\n".join(lines)
     return table(["target", "model", "N", "ratio", "target", "status"], body,
                  "|---|---|---:|---:|---:|---|") + "\n\n" + summary
 
@@ -300,6 +305,22 @@ def optim_table(report: dict) -> str:
         "|---|---:|---:|---|---:|---:|---:|")
 
 
+def gloo_wait_table(report: dict) -> str:
+    cfg = report["config"]
+    body = []
+    for r in report["results"]:
+        for m, d in r["per_iteration"].items():
+            body.append([str(r["load_processes"]), m, f"{d['wall_s'] * 1e3:.2f}", f"{d['main_cpu_s'] * 1e3:.2f}",
+                         f"{d['main_blocked_s'] * 1e3:.2f}", f"{d['main_runqueue_s'] * 1e3:.2f}",
+                         f"{d['main_sleeps']:.1f}", fmt(d.get("timed_out_slices"), ".1f", ""),
+                         fmt(r["polled_over_plain"]) if m == "polled" else ""])
+    return (run_line(report) + f"\n\nPer iteration (one async all-gather of {cfg['numel'] * 4 / 2**20:.0f} MB per rank, "
+            f"{cfg['matmuls']} matmuls, then the wait; poll slice {cfg['poll_ms']:g} ms), median of {cfg['reps']} "
+            f"repetitions of {cfg['iters']} iterations, mean over the 2 ranks:\n\n" + table(
+                ["busy-loop processes", "wait", "wall ms", "main CPU ms", "blocked ms", "waiting for a core ms",
+                 "sleeps", "timed-out slices", "polled / plain"], body, "|---:|---|---:|---:|---:|---:|---:|---:|---:|"))
+
+
 def simulated_line(report: dict) -> str:
     return (run_line(report) + f"\n\nN = {report['world']}: simulated mesh {report['simulated_s']:.3f} s/step, "
             f"{report['world']} processes {report['multiprocess_s']:.3f} s/step: the threads-in-one-process mesh costs "
@@ -331,7 +352,7 @@ def sections(results: str = RESULTS) -> dict[str, str]:
     compiled = load("fsdp_vs_ddp_compile", results)
     if compiled is not None:
         out["compile"] = step_time_table(compiled) + "\n\n" + ratio_table(compiled)
-    for name, fn in (("fsdp_tp_vs_torch", fsdp_tp_table), ("memory_scaling", memory_scaling_table),
+    for name, fn in (("gloo_wait", gloo_wait_table), ("fsdp_tp_vs_torch", fsdp_tp_table), ("memory_scaling", memory_scaling_table),
                      ("optim_update", optim_table), ("simulated_overhead", simulated_line)):
         report = load(name, results)
         if report is not None:

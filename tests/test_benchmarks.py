@@ -102,6 +102,16 @@ def test_fsdp_vs_ddp_compiled_tiny(tmp_path):
         assert row["max_loss_diff_vs_ddp"]["shardfn-compiled"] < 1e-4
 
 
+@pytest.mark.multiprocess
+def test_gloo_wait_tiny(tmp_path):
+    from benchmarks import gloo_wait, report
+
+    out = gloo_wait.main(["--tiny", "--out", str(tmp_path / "gloo_wait")])
+    (row,) = out["results"]
+    assert set(row["per_iteration"]) == {"plain", "polled"} and row["polled_over_plain"] > 0
+    assert "| 0 | polled |" in report.gloo_wait_table(out)
+
+
 def test_benchmarks_page_matches_results():
     """docs/benchmarks.md's tables are what benchmarks/report.py makes of the committed JSON."""
     from benchmarks import report
