@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -32,6 +31,7 @@ from torch.nn import functional as F
 
 import shardfn as sf
 from shardfn.testing import run_multiprocess
+from benchmarks import _common
 from benchmarks.fsdp_vs_ddp import shardfn_trainer, torch_trainer  # the same trainers as the 1-D benchmark
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -178,6 +178,7 @@ def main(argv=None) -> dict:
         parser.error(f"--world must be even (a 'model' axis of 2), got {args.world}")
     if args.tiny:
         args.width, args.depth, args.rows, args.reps, args.steps = 16, 2, 4, 1, 1
+    env = _common.environment("benchmarks.fsdp_tp_vs_torch", argv)
     result = run(args)
     t, sb = result["median_step_s"], result["state_bytes_per_rank"]
     print(f"FSDP x TP on {result['mesh']}, {result['parameters']:,} parameters (width {args.width}, "
@@ -189,7 +190,7 @@ def main(argv=None) -> dict:
     print(f"  max |loss difference| over 3 steps: {result['max_loss_diff']:.2e}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"command": " ".join(sys.argv), "torch": torch.__version__, "result": result}, f, indent=2)
+        json.dump({"env": _common.finish_environment(env), "result": result}, f, indent=2)
     wrote = f"{args.out}.json and {args.out}.png" if plot(result, args.out + ".png") else f"{args.out}.json"
     print(f"wrote {wrote}")
     return result

@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
 import shardfn as sf
 from shardfn.testing.models import MLP
+
+from benchmarks import _common
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -71,6 +72,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.tiny:
         args.width, args.depth, args.world_sizes = 32, 3, [1, 2, 4]
+    env = _common.environment("benchmarks.memory_scaling", argv)
     rows = [measure(n, args.width, args.depth) for n in args.world_sizes]
     print(f"{'N':>2} {'state MB':>9} {'16*numel/N MB':>14} {'ratio':>6} {'peak gathered MB':>17} {'(units)':>8}")
     for r in rows:
@@ -78,7 +80,7 @@ def main(argv=None):
               f"{r['state_over_formula']:>6.3f} {r['peak_gathered'] / 2**20:>17.2f} {r['peak_gathered_units']:>8.2f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"command": " ".join(sys.argv), "results": rows}, f, indent=2)
+        json.dump({"env": _common.finish_environment(env), "results": rows}, f, indent=2)
     try:
         import matplotlib
 

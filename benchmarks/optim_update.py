@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ from pathlib import Path
 import torch
 
 import shardfn.optim as optim
+
+from benchmarks import _common
 
 LR, WD = 1e-3, 1e-2
 
@@ -166,6 +167,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "optim_update.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    env = _common.environment("benchmarks.optim_update", argv)
 
     if args.tiny:
         models = {"gpt-1L-d64": gpt_shapes(1, 64, 512, 64), "mlp-2x128": mlp_shapes(2, 128)}
@@ -205,10 +207,7 @@ def main(argv=None):
             "dtype": "float32",
         },
         "env": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
+            **_common.finish_environment(env),
             "loadavg_1m_at_end": os.getloadavg()[0],  # other work on the box skews medians
         },
         "results": results,

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -21,6 +20,8 @@ import torch
 import shardfn as sf
 from shardfn.testing import run_multiprocess
 from shardfn.testing.models import MLP
+
+from benchmarks import _common
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -58,6 +59,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.tiny:
         args.width, args.depth, args.steps = 32, 2, 2
+    env = _common.environment("benchmarks.simulated_overhead", argv)
     shape = {"data": args.world}
     mesh = sf.local_mesh(shape)
     simulated = mesh.run(program, mesh, args.width, args.depth, args.steps)[0]
@@ -67,7 +69,7 @@ def main(argv=None):
     print(f"world {args.world}: simulated {sim:.4f} s/step, multi-process {dist:.4f} s/step, ratio {sim / dist:.2f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "world": args.world, "simulated_s": sim, "multiprocess_s": dist,
+        json.dump({"env": _common.finish_environment(env), "world": args.world, "simulated_s": sim, "multiprocess_s": dist,
                    "ratio": sim / dist}, f, indent=2)
     return sim, dist
 

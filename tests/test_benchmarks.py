@@ -20,18 +20,119 @@ def test_memory_scaling_matches_the_zero3_formula(tmp_path):
     assert json.loads((tmp_path / "mem.json").read_text())["results"][0]["world"] == 1
 
 
+FIVE = {"shardfn-foreach", "shardfn-fused", "fsdp2-foreach", "fsdp2-fused", "ddp"}
+
+
+def _check_row(row, methods=FIVE):
+    assert set(row["step_s"]) == methods and all(t > 0 for t in row["step_s"].values())
+    for m in methods:  # the same model, data and AdamW from the same init: the same losses
+        assert row["max_loss_diff_vs_ddp"][m] < 1e-4, (m, row["losses"])
+    sb = row["state_bytes_per_rank"]
+    for m in ("shardfn-foreach", "shardfn-fused"):
+        assert sb[m] <= 1.05 * sb["fsdp2-fused"]  # the same ZeRO-3 state as FSDP2's
+    assert sb["fsdp2-fused"] <= 1.05 * sb["ddp"] / row["world"] + 4096
+    assert 0 < row["comm_bytes_per_rank"] <= row["comm_theory_bytes_per_rank"]
+    for m in methods:
+        cpu = row["cpu_per_step"][m]
+        assert cpu["main_cpu_s"] >= 0 and cpu["wall_s"] > 0
+
+
 @pytest.mark.multiprocess
 def test_fsdp_vs_ddp_tiny(tmp_path):
+    """Every method at N = 2 on the tiny GPT, one profiled step each; the report renders."""
+    from benchmarks import _common, fsdp_vs_ddp, report
+
+    out = fsdp_vs_ddp.main(["--tiny", "--models", "gpt", "--world-sizes", "2", "--profile",
+                            "--trace-dir", str(tmp_path / "traces"), "--out", str(tmp_path / "fsdp_vs_ddp")])
+    saved = json.loads((tmp_path / "fsdp_vs_ddp.json").read_text())
+    assert saved["results"] == json.loads(json.dumps(out["results"]))
+    env = saved["env"]
+    assert env["command"].startswith("python -m benchmarks.fsdp_vs_ddp --tiny") and env["cpu_count"] >= 1
+    assert {"date", "machine", "torch", "loadavg_start", "loadavg_end"} <= set(env)
+    (row,) = saved["results"]
+    _check_row(row)
+    for m, prof in row["profile"].items():  # the five shares add up to the step's wall time
+        shares = _common.shares(prof)
+        assert sum(shares.values()) == pytest.approx(prof["wall_ms"], rel=1e-6), m
+        assert shares["compute"] > 0 and prof["ops_self_ms"]
+    assert {f"gpt-N2-{m}.json" for m in FIVE} == {p.name for p in (tmp_path / "traces").iterdir()}
+    made = report.sections(str(tmp_path))
+    assert {"step-time", "ratios", "targets", "scaling", "profile", "memory", "communication"} <= set(made)
+    assert len(report.target_rows(saved)) == 3  # three targets on the GPT at N = 2 (the run has no N = 4)
+    assert made["targets"].count("| GPT") == 3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_fsdp_vs_ddp_tiny_all_models_scaling_load_threads(tmp_path):
+    """Three tiny models at N = 1 and 2 (the scaling table), with a busy-loop process on the
+    cores and each method's thread census."""
+    from benchmarks import fsdp_vs_ddp, report
+
+    out = fsdp_vs_ddp.main(["--tiny", "--world-sizes", "1", "2", "--load", "1", "--threads",
+                            "--out", str(tmp_path / "fsdp_vs_ddp")])
+    assert out["config"]["load_processes"] == 1
+    assert [(r["model"], r["world"]) for r in out["results"]] == [
+        (m, n) for m in ("gpt", "gpt-8L", "mlp") for n in (1, 2)]
+    for row in out["results"]:
+        if row["world"] == 2:
+            _check_row(row)
+    census = out["thread_census"]["methods"]
+    assert set(census) == FIVE and all(c["count_after"] >= c["count_before"] >= 1 for c in census.values())
+    scaling = report.scaling_table(out)
+    assert len(scaling.splitlines()) == 2 + 3 * 3  # head, rule, 3 methods x 3 models
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_fsdp_vs_ddp_compiled_tiny(tmp_path):
+    """--compile: FSDP2 with compiled blocks runs and agrees; shardfn's compiled variant is
+    measured when sf.functional takes compile=True, else recorded as unsupported."""
+    pytest.importorskip("torch._inductor")
     from benchmarks import fsdp_vs_ddp
 
-    (row,) = fsdp_vs_ddp.main(["--tiny", "--models", "gpt", "--world-sizes", "2", "--out", str(tmp_path / "cmp")])
-    assert set(row["median_step_s"]) == {"shardfn", "fsdp2", "ddp"}
-    assert row["max_loss_diff_vs_ddp"]["shardfn"] < 1e-4
-    assert row["max_loss_diff_vs_ddp"]["fsdp2"] < 1e-4
-    sb = row["state_bytes_per_rank"]
-    assert sb["shardfn"] <= 1.05 * sb["fsdp2"]  # same ZeRO-3 state as FSDP2's
-    assert 0 < row["comm_bytes_per_rank"] <= row["comm_theory_bytes_per_rank"]
-    assert (tmp_path / "cmp.json").exists()
+    out = fsdp_vs_ddp.main(["--tiny", "--models", "gpt", "--world-sizes", "2", "--compile",
+                            "--methods", "shardfn-compiled", "fsdp2-compiled", "ddp",
+                            "--out", str(tmp_path / "cmp")])
+    (row,) = out["results"]
+    assert row["max_loss_diff_vs_ddp"]["fsdp2-compiled"] < 1e-4
+    if "shardfn-compiled" in row["unsupported"]:
+        assert "TypeError" in row["unsupported"]["shardfn-compiled"]
+    else:
+        assert row["max_loss_diff_vs_ddp"]["shardfn-compiled"] < 1e-4
+
+
+@pytest.mark.multiprocess
+def test_gloo_wait_tiny(tmp_path):
+    from benchmarks import gloo_wait, report
+
+    out = gloo_wait.main(["--tiny", "--out", str(tmp_path / "gloo_wait")])
+    (row,) = out["results"]
+    assert set(row["per_iteration"]) == {"plain", "polled"} and row["polled_over_plain"] > 0
+    assert "| 0 | polled |" in report.gloo_wait_table(out)
+
+
+def test_benchmarks_page_matches_results():
+    """docs/benchmarks.md's tables are what benchmarks/report.py makes of the committed JSON."""
+    from benchmarks import report
+
+    made, page = report.sections(), report.page_sections()
+    assert set(made) <= set(page), f"docs/benchmarks.md has no markers for {sorted(set(made) - set(page))}"
+    stale = sorted(n for n in made if page[n] != made[n])
+    assert not stale, f"docs/benchmarks.md is stale in {stale}: run python -m benchmarks.report --write"
+
+
+def test_profile_categories():
+    from benchmarks._common import categorize, shares
+
+    assert [categorize(n) for n in ("aten::mm", "aten::copy_", "c10d::_allgather_base_", "aten::view",
+                                    "FSDP::all_gather (h.0)", "aten::_fused_adamw_", "fsdp::all_gather_copy_in")] == [
+        "compute", "copies", "collective_calls", "framework_ops", "annotations", "compute", "copies"]
+    prof = {"wall_ms": 100.0, "main_cpu_ms": 60.0, "main_blocked_ms": 20.0,
+            "ops_self_ms": {"aten::mm": 40.0, "aten::copy_": 10.0, "aten::view": 5.0, "GatherUnit": 25.0}}
+    s = shares(prof)  # running 80 ms of which 60 on a CPU: 3/4 of each running share, 20 ms in the run queue
+    assert s == pytest.approx({"compute": 30.0, "copies": 7.5, "python_other": 22.5, "collective_wait": 20.0,
+                               "runqueue": 20.0})
 
 
 @pytest.mark.multiprocess
