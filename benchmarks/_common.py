@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import json
 import os
 import platform
 import re
@@ -79,6 +80,14 @@ def environment(module: str, argv) -> dict:
         "torch": torch.__version__,
         "loadavg_start": list(os.getloadavg()),
     }
+
+
+def write_json(report: dict, out: str) -> None:
+    """Write `report` to `out` + ".json" (folders made), and say so."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {out}.json")
 
 
 def finish_environment(env: dict) -> dict:

@@ -15,7 +15,7 @@ Methods (`METHODS`):
   fsdp2-fused       the same with AdamW(fused=True)
   ddp               DistributedDataParallel (no buffer broadcast, gradients as bucket views) + AdamW(fused=True)
   --compile adds:   fsdp2-compiled (block.compile() on each block, then fully_shard; fused AdamW) and
-                    shardfn-compiled (sf.functional(model, compile=True); "unsupported" while that raises TypeError)
+                    shardfn-compiled (sf.functional(model, compile=True); fused AdamW)
 
     python -m benchmarks.fsdp_vs_ddp                        # 3 models x N = 1, 2, 4 (tens of minutes)
     python -m benchmarks.fsdp_vs_ddp --tiny                 # seconds; what the test suite runs
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 from typing import Callable
@@ -166,13 +165,7 @@ class Trainer:
 
 
 def _shardfn(spec, mesh, batch, fused=False, compile_=False):
-    if compile_:
-        try:
-            apply_fn, params = sf.functional(build_model(spec), compile=True)
-        except TypeError as err:
-            raise Unsupported(f"sf.functional(model, compile=True) raised TypeError: {err}") from None
-    else:
-        apply_fn, params = sf.functional(build_model(spec))
+    apply_fn, params = sf.functional(build_model(spec), compile=compile_)
     step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
     return Trainer(*shardfn_trainer(step, params, batch, fused=fused), shard_step=step)
 
@@ -220,8 +213,8 @@ def _median(xs):
 
 
 def rank_main(model: str, world: int, methods: list, reps: int, steps: int, warmup: int, tiny: bool,
-              trace_dir: str | None):
-    torch.set_num_threads(1)
+              trace_dir: str | None, intra_op_threads: int = 1):
+    torch.set_num_threads(intra_op_threads)
     spec = (TINY if tiny else MODELS)[model]
     mesh = sf.init_mesh({"data": world}, timeout=3600)
     rank = mesh.rank
@@ -277,7 +270,8 @@ def run(model: str, world: int, args) -> dict:
     steps = args.steps or spec.steps
     load_before, use_before = list(os.getloadavg()), _common.MachineUse.snapshot()
     per_rank = run_multiprocess(rank_main, world, model, world, args.methods, args.reps, steps, args.warmup,
-                                args.tiny, args.trace_dir if args.profile else None, timeout=7200)
+                                args.tiny, args.trace_dir if args.profile else None, args.intra_op_threads,
+                                timeout=7200)
     use = _common.MachineUse.delta(use_before, _common.MachineUse.snapshot())
     ran = list(per_rank[0]["times"])
     step_s = {m: statistics.median(max(r["times"][m][i] for r in per_rank) for i in range(args.reps)) for m in ran}
@@ -330,8 +324,8 @@ def _profile_mean(per_rank: list[dict]) -> dict:
 # -- thread census: each method alone in fresh processes ------------------------------------
 
 
-def census_main(model: str, world: int, method: str, tiny: bool, steps: int):
-    torch.set_num_threads(1)
+def census_main(model: str, world: int, method: str, tiny: bool, steps: int, intra_op_threads: int = 1):
+    torch.set_num_threads(intra_op_threads)
     spec = (TINY if tiny else MODELS)[model]
     mesh = sf.init_mesh({"data": world}, timeout=3600)
     before = _common.thread_names()
@@ -359,7 +353,8 @@ def thread_census(model: str, world: int, args) -> dict:
     steps, and the CPU seconds per step of the main thread and of the others."""
     out = {}
     for m in args.methods:
-        per_rank = run_multiprocess(census_main, world, model, world, m, args.tiny, 3, timeout=3600)
+        per_rank = run_multiprocess(census_main, world, model, world, m, args.tiny, 3, args.intra_op_threads,
+                                    timeout=3600)
         if "unsupported" in per_rank[0]:
             out[m] = per_rank[0]
             continue
@@ -435,6 +430,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--trace-dir", default=os.path.join(RESULTS, "traces"))
     parser.add_argument("--load", type=int, default=0, metavar="K",
                         help="run K CPU-burning processes (a second job on the cores) during the run")
+    parser.add_argument("--intra-op-threads", type=int, default=1, metavar="T",
+                        help="torch.set_num_threads(T) in every rank (default 1: ranks x T <= cores)")
     parser.add_argument("--threads", action="store_true",
                         help="also count each method's threads, run alone (first model, N = 2)")
     parser.add_argument("--tiny", action="store_true", help="tiny models, 1 rep of 1 step: seconds")
@@ -453,7 +450,7 @@ def main(argv=None) -> dict:
         "env": _common.finish_environment(env),
         "config": {"reps": args.reps, "warmup": max(args.warmup, PARITY_STEPS),
                    "parity_steps": PARITY_STEPS, "methods": args.methods, "load_processes": args.load,
-                   "tiny": args.tiny, "threads_per_rank": 1, "lr": LR},
+                   "tiny": args.tiny, "threads_per_rank": args.intra_op_threads, "lr": LR},
         "results": rows,
     }
     if census is not None:
@@ -468,10 +465,7 @@ def main(argv=None) -> dict:
             cps = c["cpu_per_step"]
             print(f"  {m:<17} {c['count_before']} -> {c['count_after']} threads {c['threads_after']}; per step: "
                   f"main {cps['main_cpu_s']:.3f} s CPU, others {cps['other_threads_cpu_s']:.3f} s CPU")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.out}.json")
+    _common.write_json(report, args.out)
     return report
 
 

@@ -14,7 +14,6 @@ its run-queue time (from /proc), with 0, 1 and 2 CPU-burning processes on the ma
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import warnings
@@ -105,10 +104,7 @@ def main(argv=None) -> dict:
               "config": {"numel": args.numel, "iters": args.iters, "reps": args.reps, "matmuls": args.matmuls,
                          "poll_ms": _POLL.total_seconds() * 1e3},
               "results": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.out}.json")
+    _common.write_json(report, args.out)
     return report
 
 

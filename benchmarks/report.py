@@ -25,6 +25,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 IMG = os.path.join(ROOT, "docs", "img", "fsdp_vs_ddp.png")
+LOADED = ("fsdp_vs_ddp_load", "fsdp_vs_ddp_load2")  # the --load runs, in order of load
 BEGIN = "<!-- begin generated: {} (python -m benchmarks.report --write) -->"
 END = "<!-- end generated: {} -->"
 
@@ -251,25 +252,30 @@ def census_table(census: dict) -> str:
                     body, "|---|---:|---|---:|---:|"))
 
 
-def load_table(quiet: dict, loaded: dict) -> str:
+def load_table(quiet: dict, loaded: list[dict]) -> str:
+    """The quiet run's rows beside the same rows under each `--load K` run."""
     q = {(r["model"], r["world"]): r for r in quiet["results"]}
+    runs = [(str(rep["config"]["load_processes"]), r) for rep in loaded for r in rep["results"]]
     body = []
-    for r in loaded["results"]:
-        for tag, row in (("no", q.get((r["model"], r["world"]))), (f"{loaded['config']['load_processes']}", r)):
+    for key in dict.fromkeys((r["model"], r["world"]) for _, r in runs):
+        for tag, row in [("no", q.get(key))] + [(k, r) for k, r in runs if (r["model"], r["world"]) == key]:
             if row is None:
                 continue
             rs = ratios(row)
             t = row["step_s"]
-            body.append([row["label"], str(row["world"]), tag, fmt(t.get("shardfn-fused")), fmt(t.get("fsdp2-fused")),
-                         fmt(t.get("ddp")), fmt(rs["foreach: shardfn / fsdp2"]), fmt(rs["fused: shardfn / fsdp2"]),
-                         fmt(rs["best: shardfn / ddp"])])
-    return run_line(loaded) + "\n\n" + table(
-        ["model", "N", "busy-loop processes", "shardfn fused s", "FSDP2 fused s", "DDP s", "foreach: shardfn / FSDP2",
-         "fused: shardfn / FSDP2", "best: shardfn / DDP"], body)
+            other = fmt(row["machine_use"]["other_work_cores"], ".2f") if "machine_use" in row else "-"
+            body.append([row["label"], str(row["world"]), tag, other, fmt(t.get("shardfn-foreach")),
+                         fmt(t.get("fsdp2-foreach")), fmt(t.get("ddp")), fmt(rs["foreach: shardfn / fsdp2"]),
+                         fmt(rs["fused: shardfn / fsdp2"]), fmt(rs["best: shardfn / ddp"])])
+    return "\n".join(run_line(rep) for rep in loaded) + "\n\n" + table(
+        ["model", "N", "busy-loop processes", "other work, cores", "shardfn foreach s", "FSDP2 foreach s", "DDP s",
+         "foreach: shardfn / FSDP2", "fused: shardfn / FSDP2", "best: shardfn / DDP"], body,
+        "|---|---:|---:|" + "---:|" * 7)
 
 
-def load_cpu_table(loaded: dict) -> str:
-    return cpu_table(loaded, world=loaded["results"][0]["world"])
+def load_cpu_table(loaded: list[dict]) -> str:
+    return "\n\n".join(f"{rep['config']['load_processes']} busy-loop process(es):\n\n"
+                       + cpu_table(rep, world=rep["results"][0]["world"]) for rep in loaded)
 
 
 # -- the other benchmarks -------------------------------------------------------------------
@@ -345,8 +351,8 @@ def sections(results: str = RESULTS) -> dict[str, str]:
         out["communication"] = comm_table(main)
         if "thread_census" in main:
             out["threads"] = census_table(main["thread_census"])
-        loaded = load("fsdp_vs_ddp_load", results)
-        if loaded is not None:
+        loaded = [rep for rep in (load(name, results) for name in LOADED) if rep is not None]
+        if loaded:
             out["load"] = load_table(main, loaded)
             out["load-cpu"] = load_cpu_table(loaded)
     compiled = load("fsdp_vs_ddp_compile", results)
