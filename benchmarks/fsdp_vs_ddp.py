@@ -15,7 +15,8 @@ Methods (`METHODS`):
   fsdp2-fused       the same with AdamW(fused=True)
   ddp               DistributedDataParallel (no buffer broadcast, gradients as bucket views) + AdamW(fused=True)
   --compile adds:   fsdp2-compiled (block.compile() on each block, then fully_shard; fused AdamW) and
-                    shardfn-compiled (sf.functional(model, compile=True); fused AdamW)
+                    shardfn-compiled (sf.functional(model, compile=True); fused AdamW) and
+                    shardfn-compiled-step (torch.compile(sf.train_step(...)) of the plain model)
 
     python -m benchmarks.fsdp_vs_ddp                        # 3 models x N = 1, 2, 4 (tens of minutes)
     python -m benchmarks.fsdp_vs_ddp --tiny                 # seconds; what the test suite runs
@@ -100,13 +101,19 @@ def tensor_bytes(tensors) -> int:
 # -- trainers: `(one step -> mean loss over ranks, state bytes per rank)` -------------------
 
 
-def shardfn_trainer(step, params, batch, fused: bool = False):
+def shardfn_trainer(step, params, batch, fused: bool = False, compile_step: bool = False):
     """`(one step -> mean loss, state bytes)` of `sf.train_step` on a shard step, with
     in-place AdamW like torch.optim (state and shards are updated in their buffers);
-    `fused`: the fused kernel (`sf.optim.adamw(fused=True)`), else the foreach chain."""
+    `fused`: the fused kernel (`sf.optim.adamw(fused=True)`), else the foreach chain;
+    `compile_step`: `torch.compile` of the train step (which compiles the blocks)."""
     opt = sf.optim.adamw(LR, weight_decay=0.0, fused=True) if fused else sf.optim.adamw(LR, weight_decay=0.0,
                                                                                           inplace=True)
     train = sf.train_step(step, opt, inplace=True)
+    if compile_step:
+        import warnings
+
+        warnings.filterwarnings("ignore", "torch.compile does not capture")  # said in the docs
+        train = torch.compile(train)
     state = {"shards": step.shard_params(params)}
     state["opt"] = opt.init(state["shards"])
 
@@ -164,10 +171,10 @@ class Trainer:
     shard_step: object = None  # shardfn's step, for its stats()
 
 
-def _shardfn(spec, mesh, batch, fused=False, compile_=False):
+def _shardfn(spec, mesh, batch, fused=False, compile_=False, compile_step=False):
     apply_fn, params = sf.functional(build_model(spec), compile=compile_)
     step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
-    return Trainer(*shardfn_trainer(step, params, batch, fused=fused), shard_step=step)
+    return Trainer(*shardfn_trainer(step, params, batch, fused=fused, compile_step=compile_step), shard_step=step)
 
 
 def _fsdp2(spec, mesh, batch, fused=False, compile_=False):
@@ -200,6 +207,7 @@ METHODS = {
 }
 COMPILED = {
     "shardfn-compiled": lambda s, m, b: _shardfn(s, m, b, fused=True, compile_=True),
+    "shardfn-compiled-step": lambda s, m, b: _shardfn(s, m, b, fused=True, compile_step=True),
     "fsdp2-compiled": lambda s, m, b: _fsdp2(s, m, b, fused=True, compile_=True),
 }
 ALL_METHODS = {**METHODS, **COMPILED}
@@ -371,7 +379,7 @@ def best(row: dict, family: str) -> tuple[str, float] | None:
     count only when both families have one (FSDP2 compiled against shardfn compiled)."""
     t = row["step_s"]
     both_compiled = "shardfn-compiled" in t and "fsdp2-compiled" in t
-    cands = [m for m in t if m.startswith(family + "-") and (both_compiled or not m.endswith("-compiled"))]
+    cands = [m for m in t if m.startswith(family + "-") and (both_compiled or "-compiled" not in m)]
     if not cands:
         return None
     m = min(cands, key=t.get)
@@ -421,7 +429,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--methods", nargs="+", default=None, choices=list(ALL_METHODS),
                         help="default: the five of METHODS (and the compiled ones with --compile)")
-    parser.add_argument("--compile", action="store_true", help="add fsdp2-compiled and shardfn-compiled")
+    parser.add_argument("--compile", action="store_true", help="add fsdp2-compiled, shardfn-compiled and shardfn-compiled-step")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per timed block (default: the model's, 1-5: a block of a second or more)")

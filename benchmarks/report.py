@@ -30,7 +30,7 @@ BEGIN = "<!-- begin generated: {} (python -m benchmarks.report --write) -->"
 END = "<!-- end generated: {} -->"
 
 NAMES = {"shardfn-foreach": "shardfn foreach", "shardfn-fused": "shardfn fused", "fsdp2-foreach": "FSDP2 foreach",
-         "fsdp2-fused": "FSDP2 fused", "ddp": "DDP (fused)", "shardfn-compiled": "shardfn compiled",
+         "fsdp2-fused": "FSDP2 fused", "ddp": "DDP (fused)", "shardfn-compiled": "shardfn compiled", "shardfn-compiled-step": "shardfn torch.compile(train)",
          "fsdp2-compiled": "FSDP2 compiled"}
 # (what, the ratio's key in fsdp_vs_ddp.ratios, at most, the world sizes); on every GPT row
 TARGETS = [

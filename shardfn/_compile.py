@@ -42,6 +42,7 @@ The step itself (`Shard.__call__`, `grad_and_value`, `accumulate`), `sf.function
 each one graph break (`not_traced`). What a trace of them hits is in
 docs/fsdp_design.md ("Compiling"): raw process-group calls and async work handles,
 Python unit state and locks, storage resizes that inductor does not lower, optree specs.
+What it does compile is the blocks: [Note: blocks compiled on request].
 """
 
 from __future__ import annotations
@@ -55,14 +56,14 @@ import sys
 import threading
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from . import _tree
 from ._errors import SpecError
 
-__all__ = ["compile_options", "compile_context", "CompiledForward", "not_traced", "WHOLE_STEP"]
+__all__ = ["compile_options", "compile_context", "CompiledForward", "OnRequest", "not_traced", "WHOLE_STEP"]
 
 _WARMUP = threading.RLock()  # held by a thread's first call of a block per input signature
 _IDLE_WAIT_S = 5.0  # [Note: compiled blocks]: waited while nothing compiles, then call anyway
@@ -71,8 +72,10 @@ _warned: set[str] = set()  # not_traced warnings given
 
 WHOLE_STEP = (
     "torch.compile does not capture a shardfn step whole: the step (all-gathers, reduce-scatters, the "
-    "free / re-gather schedule) runs eagerly, as one graph break. Compile the blocks instead: "
-    "sf.functional(model, compile=True) (docs/howto/compile.md)."
+    "free / re-gather schedule) runs eagerly, as one graph break, and compiles the blocks of sf.functional "
+    "models it runs with this torch.compile's backend (one graph per block; a pytree loss_fn runs eagerly). "
+    "sf.functional(model, compile=True) does the same without torch.compile around the step "
+    "(docs/howto/compile.md)."
 )
 
 
@@ -167,6 +170,64 @@ class CompiledForward:
         return out
 
 
+# [Note: blocks compiled on request]
+# `torch.compile(step)` (or of `sf.train_step`'s train, of a function calling the step, of
+# `sf.functional`'s apply_fn) cannot trace the step ([Note: no whole-step graph]); it runs
+# eagerly, but not all of it: while it runs, this thread carries a request holding the
+# backend of the torch.compile that called it (its mode and options included: the
+# dynamo callback's `_torchdynamo_orig_backend` chain ends at the `torch.compile` backend
+# wrapper), and each block of an `sf.functional` model that was not compiled otherwise
+# (an `OnRequest` forward) compiles its forward with that backend on first use, exactly
+# as `sf.functional(model, compile=...)` would: one graph per block class, shared by the
+# rank threads, the unit collectives between the graphs. Outside such a call the blocks
+# run eagerly (one thread-local read per block call). Under sf.remat, the blocks stay
+# eager (remat recomputes under torch.func.vjp, where compiled code does not run).
+
+_request = threading.local()
+
+
+def _backend_of(callback) -> Callable | None:
+    """The `torch.compile` backend behind a dynamo eval-frame callback, or None."""
+    backend, seen = callback, 0
+    while seen < 8:
+        inner = getattr(backend, "_torchdynamo_orig_backend", None)
+        if inner is None or inner is backend:
+            break
+        backend, seen = inner, seen + 1
+    return backend if seen and callable(backend) else None
+
+
+@contextlib.contextmanager
+def _requesting(backend: Callable):
+    previous = getattr(_request, "backend", None)
+    _request.backend = backend
+    try:
+        yield
+    finally:
+        _request.backend = previous
+
+
+class OnRequest:
+    """A block's forward that runs eagerly, or compiled with the backend of the
+    torch.compile'd step now running on this thread ([Note: blocks compiled on request])."""
+
+    def __init__(self, eager: Callable):
+        self.eager = eager
+        # (backend, CompiledForward); backends compare by value (torch's inductor wrapper is
+        # unhashable and equal to another of the same mode and options)
+        self.compiled: list[tuple[Callable, CompiledForward]] = []
+
+    def __call__(self, *args, **kwargs):
+        backend = getattr(_request, "backend", None)
+        if backend is None:
+            return self.eager(*args, **kwargs)
+        forward = next((f for b, f in self.compiled if b is backend or b == backend), None)
+        if forward is None:
+            forward = CompiledForward(torch.compile(self.eager, backend=backend), self.eager)
+            self.compiled.append((backend, forward))
+        return forward(*args, **kwargs)
+
+
 def _acquire_warmup() -> bool:
     """Take the warm-up lock; False if its holder has stopped compiling for _IDLE_WAIT_S
     (it may wait in a collective for this thread: then go on without the lock)."""
@@ -208,19 +269,24 @@ def not_traced(reason: str, warn: bool = False) -> Callable[[Callable], Callable
     everything it calls (torch._dynamo.disable), except what is compiled explicitly (the
     blocks). That also covers our frames that run while a dynamo callback is active but
     nothing traces them: a frame dynamo gave up on, or autograd running our backward
-    nodes under `loss.backward()` inside a compiled function. `warn`: say so, with
-    `reason`, the first time it is called under torch.compile. Without torch._dynamo
+    nodes under `loss.backward()` inside a compiled function. `warn` (the entry points of a
+    step): say so, with `reason`, the first time it is called under torch.compile, and
+    compile the blocks it runs with that torch.compile's backend ([Note: blocks compiled
+    on request]). Without torch._dynamo
     imported (nothing can be compiling) it is a plain call; with it, about a microsecond
     more."""
 
     def decorate(fn: Callable) -> Callable:
         disabled: list[Callable] = []
 
-        def call(traced: bool, args, kwargs):
+        def call(traced: bool, backend, args, kwargs):
             if traced and warn and reason not in _warned:
                 _warned.add(reason)
                 warnings.warn(reason, stacklevel=_user_stacklevel())
-            return fn(*args, **kwargs)
+            if backend is None:
+                return fn(*args, **kwargs)
+            with _requesting(backend):  # [Note: blocks compiled on request]
+                return fn(*args, **kwargs)
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
@@ -231,7 +297,9 @@ def not_traced(reason: str, warn: bool = False) -> Callable[[Callable], Callable
                 disabled.append(torch._dynamo.disable(call, recursive=True, reason=reason))
             # traced, or called under a torch.compile'd function whose callback is set (from a frame
             # dynamo skipped or gave up on: a top-level `torch.compile(step)`); no Python frame here
-            return disabled[0](torch.compiler.is_dynamo_compiling() or _callback[0]() is not None, args, kwargs)
+            callback = _callback[0]()
+            backend = _backend_of(callback) if warn and callback is not None else None
+            return disabled[0](torch.compiler.is_dynamo_compiling() or callback is not None, backend, args, kwargs)
 
         _WRAPPER_CODE[:] = [wrapper.__code__]
         return wrapper

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ._compile import CompiledForward, compile_context, compile_options, not_traced
+from ._compile import CompiledForward, OnRequest, compile_context, compile_options, not_traced
 from ._errors import SpecError
 from ._fsdp.view import together
 
@@ -180,8 +180,8 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
 
 _APPLY_EAGER = (
     "torch.compile does not trace sf.functional's apply_fn (it reads sharded parameters, which all-gathers "
-    "them): it runs eagerly, as one graph break. Compile the blocks with sf.functional(model, compile=True) "
-    "(docs/howto/compile.md)."
+    "them): it runs eagerly, as one graph break, and compiles the model's blocks with this torch.compile's "
+    "backend (docs/howto/compile.md)."
 )
 _BLOCK_EAGER = "the gather of a block's unit runs eagerly, between graphs ([Note: compiled blocks])"
 
@@ -203,6 +203,8 @@ def _bind_child(child: nn.Module, paths, local, remat=None, compiler=None) -> No
         original = CompiledForward(original, child._orig_mod.__call__)
     elif compiler is not None:
         original = CompiledForward(compiler(original), original)
+    elif remat is None:  # compiled when a torch.compile'd step runs it ([Note: blocks compiled on request])
+        original = OnRequest(original)
     active = threading.local()
 
     def run(unit, *args, **kwargs):  # the child's own forward, with its unit's parameters

@@ -93,12 +93,13 @@ def test_fsdp_vs_ddp_compiled_tiny(tmp_path):
     from benchmarks import fsdp_vs_ddp
 
     out = fsdp_vs_ddp.main(["--tiny", "--models", "gpt", "--world-sizes", "2", "--compile",
-                            "--methods", "shardfn-compiled", "fsdp2-compiled", "ddp",
+                            "--methods", "shardfn-compiled", "shardfn-compiled-step", "fsdp2-compiled", "ddp",
                             "--out", str(tmp_path / "cmp")])
     (row,) = out["results"]
     assert not row["unsupported"]
     assert row["max_loss_diff_vs_ddp"]["fsdp2-compiled"] < 1e-4
     assert row["max_loss_diff_vs_ddp"]["shardfn-compiled"] < 1e-4
+    assert row["max_loss_diff_vs_ddp"]["shardfn-compiled-step"] < 1e-4
 
 
 @pytest.mark.multiprocess

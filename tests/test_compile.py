@@ -8,6 +8,7 @@ compiles and graph calls with a counting backend (AOTAutograd, no inductor: seco
 """
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ STEPS = 10
 def fresh_dynamo():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    _compile._warned.clear()  # each test sees the once-per-process warnings
     yield
     torch._dynamo.reset()
 
@@ -78,8 +80,9 @@ def batches(rank: int, steps: int = STEPS):
             for _ in range(steps)]
 
 
-def train(mesh, apply_fn, params, steps: int = STEPS, how: str = "train_step", on_step=None):
-    """Losses and full parameters after `steps` AdamW steps of a shard step on this rank."""
+def train(mesh, apply_fn, params, steps: int = STEPS, how: str = "train_step", on_step=None, backend=None):
+    """Losses and full parameters after `steps` AdamW steps of a shard step on this rank
+    (`how="compiled_train"`: torch.compile of the train step, with `backend` if given)."""
     torch.set_num_threads(1)
     step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
     opt = sf.optim.adamw(1e-3)
@@ -87,7 +90,7 @@ def train(mesh, apply_fn, params, steps: int = STEPS, how: str = "train_step", o
     state = opt.init(shards)
     update = sf.train_step(step, opt, use_func=how == "use_func")
     if how == "compiled_train":
-        update = torch.compile(update)
+        update = torch.compile(update, **({"backend": backend} if backend is not None else {}))
     losses = []
     for i, batch in enumerate(batches(mesh.rank, steps)):
         shards, state, loss = update(shards, state, batch)
@@ -106,11 +109,13 @@ def max_diff(a, b) -> float:
 # -- parity: eager vs compiled blocks (inductor), both backends -----------------------------
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param("simulated"),
-    pytest.param("distributed", marks=[pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.ci]),
+@pytest.mark.parametrize("backend,how", [
+    pytest.param("simulated", "compile_arg"),
+    pytest.param("simulated", "compiled_train"),
+    pytest.param("distributed", "compile_arg", marks=[pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.ci]),
+    pytest.param("distributed", "compiled_train", marks=[pytest.mark.multiprocess, pytest.mark.slow]),
 ])
-def test_compiled_blocks_match_eager(backend):
+def test_compiled_blocks_match_eager(backend, how):
     """10 fp32 AdamW steps of a tiny GPT, per-rank batches: losses within 1e-6 and
     parameters within 5e-5 of the eager run; one graph for both blocks (one class), made
     on the first step and never again (no recompile).
@@ -119,16 +124,21 @@ def test_compiled_blocks_match_eager(backend):
     gradient is only rounding noise (the key part of c_attn's bias: softmax ignores it)
     moves by up to lr per step in either run, in directions the rounding decides (4e-6
     apart here; the other leaves within 2e-6)."""
-    eager_model, compiled_model = gpt("eager"), gpt("compile_arg")  # not in rank threads: one global RNG
+    # compile_arg: sf.functional(model, compile=True); compiled_train: torch.compile(sf.train_step(...))
+    # of the plain model, which compiles its blocks ([Note: blocks compiled on request])
+    eager_model = gpt("eager")  # not in rank threads: one global RNG
+    compiled_model = gpt("compile_arg") if how == "compile_arg" else gpt("eager")
 
     def body(mesh):
         eager = train(mesh, *eager_model)
         graphs = []  # dynamo's graph count after each compiled step (process-wide)
-        compiled = train(mesh, *compiled_model,
+        compiled = train(mesh, *compiled_model, how="train_step" if how == "compile_arg" else how,
                          on_step=lambda i: graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
         return {"eager": eager[0], "compiled": compiled[0], "params": max_diff(eager[1], compiled[1]), "graphs": graphs}
 
-    results = run_on_mesh(body, {"data": 2}, backend, timeout=240)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.compile does not capture")
+        results = run_on_mesh(body, {"data": 2}, backend, timeout=240)
     for rank, r in enumerate(results):
         dloss = max(abs(a - b) for a, b in zip(r["eager"], r["compiled"]))
         assert len(r["compiled"]) == STEPS
@@ -183,6 +193,55 @@ def test_compiled_train_step_runs_the_step_eagerly():
     want = mesh.run(lambda: train(mesh, *eager, 3)[0])
     assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) <= 1e-6
     assert backend.forward == CFG.n_layer * 2 * 3
+
+
+@pytest.mark.parametrize("how", ["train", "step"])
+def test_torch_compile_of_the_step_compiles_the_blocks(how):
+    """torch.compile(train) / torch.compile(step) of a plain sf.functional model: the step
+    runs eagerly (a warning) and each block's forward and backward run compiled with that
+    torch.compile's backend, one graph for the 2 blocks x 4 rank threads; eager losses."""
+    backend = Counting()
+    apply_fn, params = gpt("eager")
+    mesh = sf.local_mesh({"data": 4})
+    steps = 3
+
+    def by_step():  # the compiled step and loss.backward(), then an eager SGD update
+        step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
+        compiled = torch.compile(step, backend=backend)
+        shards, losses = step.shard_params(params), []
+        for batch in batches(mesh.rank, steps):
+            leaves, spec = torch.utils._pytree.tree_flatten(shards)
+            xs = [x.detach().requires_grad_() for x in leaves]
+            loss = compiled(torch.utils._pytree.tree_unflatten(xs, spec), batch)
+            loss.backward()
+            losses.append(float(loss))
+            with torch.no_grad():
+                shards = torch.utils._pytree.tree_unflatten([x - 0.1 * x.grad for x in xs], spec)
+        return losses
+
+    reference = gpt("eager")  # built here: one global RNG
+    if how == "train":
+        with pytest.warns(UserWarning, match="torch.compile does not capture sf.train_step's step whole"):
+            got = mesh.run(lambda: train(mesh, apply_fn, params, steps, how="compiled_train", backend=backend)[0])
+        want = mesh.run(lambda: train(mesh, *reference, steps)[0])
+    else:
+        with pytest.warns(UserWarning, match="torch.compile does not capture a shardfn step whole"):
+            got = mesh.run(by_step)
+        want = mesh.run(lambda: _eager_sgd(mesh, *reference, steps))
+    assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) <= 1e-6
+    calls = CFG.n_layer * mesh.size * steps
+    assert backend.compiles == 1  # one graph: the blocks' class, shared by the rank threads
+    assert (backend.forward, backend.backward) == (calls, calls)
+
+
+def _eager_sgd(mesh, apply_fn, params, steps):
+    step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
+    shards, losses = step.shard_params(params), []
+    for batch in batches(mesh.rank, steps):
+        grads, loss = step.grad_and_value(shards, batch)
+        losses.append(float(loss))
+        shards = torch.utils._pytree.tree_map(lambda x, g: x - 0.1 * g, shards, grads)
+    return losses
 
 
 def test_compiled_step_runs_eagerly():

@@ -83,6 +83,7 @@ def train_step(
 _TRAIN_EAGER = (
     "torch.compile does not capture sf.train_step's step whole: it runs eagerly, as one graph break (a shard "
     "step's collectives and schedule are not traceable, and the optimizer's step count and schedules would "
-    "recompile it every step). Compile the blocks with sf.functional(model, compile=True) and use the fused "
-    "optimizer, sf.optim.adamw(..., fused=True) (docs/howto/compile.md)."
+    "recompile it every step), and compiles the blocks of sf.functional models the step runs with this "
+    "torch.compile's backend. Use the fused optimizer for the update, sf.optim.adamw(..., fused=True) "
+    "(docs/howto/compile.md)."
 )
