@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import os
 import statistics
+import warnings
 from typing import Callable
 
 import torch
@@ -110,8 +111,6 @@ def shardfn_trainer(step, params, batch, fused: bool = False, compile_step: bool
                                                                                           inplace=True)
     train = sf.train_step(step, opt, inplace=True)
     if compile_step:
-        import warnings
-
         warnings.filterwarnings("ignore", "torch.compile does not capture")  # said in the docs
         train = torch.compile(train)
     state = {"shards": step.shard_params(params)}

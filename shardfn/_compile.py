@@ -272,9 +272,8 @@ def not_traced(reason: str, warn: bool = False) -> Callable[[Callable], Callable
     nodes under `loss.backward()` inside a compiled function. `warn` (the entry points of a
     step): say so, with `reason`, the first time it is called under torch.compile, and
     compile the blocks it runs with that torch.compile's backend ([Note: blocks compiled
-    on request]). Without torch._dynamo
-    imported (nothing can be compiling) it is a plain call; with it, about a microsecond
-    more."""
+    on request]). Without torch._dynamo imported (nothing can be compiling) it is a plain
+    call; with it, about a microsecond more."""
 
     def decorate(fn: Callable) -> Callable:
         disabled: list[Callable] = []

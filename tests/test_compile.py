@@ -100,6 +100,15 @@ def train(mesh, apply_fn, params, steps: int = STEPS, how: str = "train_step", o
     return losses, step.unshard_params(shards)
 
 
+def loss_gap(mesh, apply_fn, params, steps: int, **how) -> float:
+    """The largest |loss - eager loss| over `steps` steps of every rank: `train(..., **how)`
+    of `apply_fn` against the default train step of the plain tiny GPT."""
+    got = mesh.run(lambda: train(mesh, apply_fn, params, steps, **how)[0])
+    reference = gpt("eager")  # built here, not in rank threads: one global RNG
+    want = mesh.run(lambda: train(mesh, *reference, steps)[0])
+    return max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
+
+
 def max_diff(a, b) -> float:
     la, lb = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
     assert len(la) == len(lb)
@@ -160,10 +169,7 @@ def test_every_way_of_compiling_the_blocks(variant):
     assert params["transformer"]["h"][0].keys() == gpt()[1]["transformer"]["h"][0].keys()
     mesh = sf.local_mesh({"data": 4})
     steps = 3
-    got = mesh.run(lambda: train(mesh, apply_fn, params, steps)[0])
-    eager = gpt("eager")
-    want = mesh.run(lambda: train(mesh, *eager, steps)[0])
-    assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) <= 1e-6
+    assert loss_gap(mesh, apply_fn, params, steps) <= 1e-6
     assert backend.compiles == 1  # not once per rank thread ([Note: compiled blocks])
     calls = CFG.n_layer * mesh.size * steps
     assert (backend.forward, backend.backward) == (calls, calls)
@@ -174,10 +180,7 @@ def test_under_torch_func_the_blocks_run_eagerly():
     apply_fn, params = gpt("compile_arg", backend)
     mesh = sf.local_mesh({"data": 2})
     with pytest.warns(UserWarning, match="under a torch.func transform .* the compiled blocks run eagerly"):
-        got = mesh.run(lambda: train(mesh, apply_fn, params, 2, how="use_func")[0])
-    eager = gpt("eager")
-    want = mesh.run(lambda: train(mesh, *eager, 2)[0])
-    assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) <= 1e-6
+        assert loss_gap(mesh, apply_fn, params, 2, how="use_func") <= 1e-6
     assert backend.forward == 0
 
 
@@ -188,10 +191,7 @@ def test_compiled_train_step_runs_the_step_eagerly():
     apply_fn, params = gpt("compile_arg", backend)
     mesh = sf.local_mesh({"data": 2})
     with pytest.warns(UserWarning, match="torch.compile does not capture sf.train_step's step whole"):
-        got = mesh.run(lambda: train(mesh, apply_fn, params, 3, how="compiled_train")[0])
-    eager = gpt("eager")
-    want = mesh.run(lambda: train(mesh, *eager, 3)[0])
-    assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) <= 1e-6
+        assert loss_gap(mesh, apply_fn, params, 3, how="compiled_train") <= 1e-6
     assert backend.forward == CFG.n_layer * 2 * 3
 
 
@@ -219,16 +219,15 @@ def test_torch_compile_of_the_step_compiles_the_blocks(how):
                 shards = torch.utils._pytree.tree_unflatten([x - 0.1 * x.grad for x in xs], spec)
         return losses
 
-    reference = gpt("eager")  # built here: one global RNG
     if how == "train":
         with pytest.warns(UserWarning, match="torch.compile does not capture sf.train_step's step whole"):
-            got = mesh.run(lambda: train(mesh, apply_fn, params, steps, how="compiled_train", backend=backend)[0])
-        want = mesh.run(lambda: train(mesh, *reference, steps)[0])
+            assert loss_gap(mesh, apply_fn, params, steps, how="compiled_train", backend=backend) <= 1e-6
     else:
         with pytest.warns(UserWarning, match="torch.compile does not capture a shardfn step whole"):
             got = mesh.run(by_step)
+        reference = gpt("eager")  # built here, not in rank threads: one global RNG
         want = mesh.run(lambda: _eager_sgd(mesh, *reference, steps))
-    assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) <= 1e-6
+        assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) <= 1e-6
     calls = CFG.n_layer * mesh.size * steps
     assert backend.compiles == 1  # one graph: the blocks' class, shared by the rank threads
     assert (backend.forward, backend.backward) == (calls, calls)
