@@ -241,14 +241,17 @@ class OrthogonalHead(transformers.LlamaForCausalLM):
 
 
 class ScaledHead(transformers.LlamaForCausalLM):
-    """Old-style rules through `.data`: a normal draw, then an in-place scaling."""
+    """Old-style rules through `.data`: a normal draw, a zeroed row, then an in-place scaling."""
 
     def _init_weights(self, module):
         super()._init_weights(module)
         if module is self.lm_head:
             module.weight.data.normal_(mean=0.0, std=0.3)
+            module.weight.data[-1] = 0
             if self.config.scale_head:
                 module.weight.data.mul_(0.5)
+        if self.config.broken and module is self.lm_head:
+            module.weight.sum().item()
 
 
 class WithGate(nn.Module):
@@ -273,12 +276,21 @@ def test_an_init_sf_init_cannot_draw_is_named_with_the_fix():
     assert desc["lm_head"]["weight"].init == I.normal(std=0.01)
 
     with torch.device("meta"):
-        scaled = ScaledHead(config("llama", tie_word_embeddings=False, scale_head=False))
-    assert I.from_module(scaled)["lm_head"]["weight"].init == I.normal(std=0.3)  # Tensor.normal_ through .data
+        scaled = ScaledHead(config("llama", tie_word_embeddings=False, scale_head=False, broken=False))
+    scaled.lm_head.weight._is_hf_initialized = True  # "loaded": transformers' init skips it; the rules are still read
+    head = I.from_module(scaled)["lm_head"]["weight"].init
+    assert head == I.zero_rows(I.normal(std=0.3), (127,))  # Tensor.normal_ and __setitem__ through .data
+    assert scaled.lm_head.weight._is_hf_initialized is True
     scaled.config.scale_head = True
     with pytest.raises(sf.ShardingError, match=r"lm_head.weight, shape \(128, 64\)\): ScaledHead._init_weights\("
                                                r"lm_head\) calls Tensor.mul_\(args=\(0.5,\)\) on it"):
         I.from_module(scaled)
+    scaled.config.broken = True
+    with pytest.raises(sf.ShardingError, match=r"(?s)sf.init: ScaledHead._init_weights\(lm_head\) failed while "
+                                               r"sf.init recorded .*RuntimeError: .*meta.*Fix: pass "
+                                               r"sf.init.from_module\(model, overrides=...\)"):
+        I.from_module(scaled)
+    assert torch.nn.init.normal_.__module__ == "torch.nn.init"  # restored after the failure too
 
 
 def test_a_parameter_or_buffer_the_rules_leave_alone_is_named():

@@ -39,6 +39,8 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .._errors import ShardingError
+
 __all__ = ["Write", "is_transformers_model", "record"]
 
 INIT_FUNCTIONS = ("uniform_", "normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
@@ -83,18 +85,36 @@ def is_transformers_model(module: torch.nn.Module) -> bool:
 def record(model: torch.nn.Module) -> dict[int, list[Write]]:
     """The writes of `model`'s own init (`_init_weights` of each submodule, children first,
     as `initialize_weights` applies it), per parameter or buffer (keyed by `id` of the
-    tensor), in order. [Note: recording a model's own init]"""
+    tensor), in order. Draws nothing, changes nothing. [Note: recording a model's own init]
+
+    Raises:
+      ShardingError: `_init_weights` failed on the meta device, naming the module.
+    """
     recorder = _Recorder(model)
+    # Tensors transformers marks as loaded skip its init: the rules are recorded as for a fresh model.
+    loaded = [t for t in recorder.tensors.values() if getattr(t, "_is_hf_initialized", False)]
     with _lock, _patched(), torch.device("cpu"), torch.no_grad():
         _state.recorder = recorder
+        for t in loaded:
+            t._is_hf_initialized = False
         try:
             with _Tracker(recorder):
                 for name, module, owner in _init_order(model):
                     recorder.name, recorder.module = name, module
                     recorder.by = f"{type(owner).__name__}._init_weights"
-                    owner._init_weights(module)
+                    try:
+                        owner._init_weights(module)
+                    except Exception as e:
+                        raise ShardingError(
+                            f"sf.init: {recorder.by}({name or 'the model'}) failed while sf.init recorded the "
+                            f"model's own initialization (on its meta-device modules, drawing nothing): "
+                            f"{type(e).__name__}: {e}\nFix: pass sf.init.from_module(model, overrides=...) a "
+                            f"function giving every parameter an initializer, and set computed buffers by hand."
+                        ) from e
         finally:
             _state.recorder = None
+            for t in loaded:
+                t._is_hf_initialized = True
     return recorder.writes
 
 
@@ -144,11 +164,12 @@ class _Recorder:
         if isinstance(out, torch.Tensor):
             self.views[id(out)] = (base, index, out)  # keeps `out` alive: its id is not reused
 
-    def write(self, tensor, call: str, args: dict) -> None:
+    def write(self, tensor, call: str, args: dict, index: tuple = ()) -> None:
+        """Record `call` on `tensor` (or on `tensor[index]`) if it is, or views, a recorded tensor."""
         target = self.target(tensor)
         if target is None or self._through_tie(target[0]):
             return
-        base, index = target
+        base, index = target[0], target[1] + index
         self.writes.setdefault(base, []).append(Write(call, args, index, self.name, self.by))
 
     def _through_tie(self, base: int) -> bool:
@@ -188,6 +209,9 @@ class _Tracker(TorchFunctionMode):
             index = target[1] + ((args[1],) if name == "__getitem__" else ())
             self.recorder.view(out, target[0], index)
             return out
+        if name == "__setitem__":  # w[i] = value
+            self.recorder.write(args[0], "Tensor.__setitem__", {"value": args[2]}, (args[1],))
+            return None
         if name.endswith("_") and not name.endswith("__") and name not in _NO_WRITE:
             self.recorder.write(args[0], f"Tensor.{name}", _method_args(name, args[1:], kwargs))
             return args[0]

@@ -99,7 +99,7 @@ def _constant_value(write: Write) -> float | None:
         return 0
     if call == "ones_":
         return 1
-    value = a.get("val", a.get("value")) if call in ("constant_", "fill_") else None
+    value = a.get("val", a.get("value")) if call in ("constant_", "fill_", "__setitem__") else None
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type != "meta":
         value = value.item()
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
