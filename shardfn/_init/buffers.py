@@ -78,9 +78,9 @@ def fill_meta_buffers(module: torch.nn.Module, device=None) -> list[str]:
             why = (f"{bad.by}({bad.module or 'the model'}) sets it with {bad}" if bad is not None
                    else f"nothing computes it (no write in the model's _init_weights, no PyTorch default for "
                         f"{type(owner).__name__}.{name})")
+            parent = dotted.rpartition(".")[0]
             problems.append(f"{dotted} (shape {tuple(meta.shape)}, {meta.dtype}): {why}; fix: build the module "
-                            f"on a real device, or set it before use: module.get_submodule({dotted.rpartition('.')[0]!r})"
-                            f".{name} = <tensor>")
+                            f"on a real device, or set it before use: module.get_submodule({parent!r}).{name} = <tensor>")
             continue
         for place, buffer_name, _ in places:  # a buffer shared by several modules is set in each
             place._buffers[buffer_name] = value

@@ -212,6 +212,9 @@ class _Tracker(TorchFunctionMode):
         if name == "__setitem__":  # w[i] = value
             self.recorder.write(args[0], "Tensor.__setitem__", {"value": args[2]}, (args[1],))
             return None
+        if name == "__set__":  # w.data = value: recorded (sf.init cannot follow it), not done
+            self.recorder.write(args[0], "Tensor.data.__set__", {"value": args[1]})
+            return None
         if name.endswith("_") and not name.endswith("__") and name not in _NO_WRITE:
             self.recorder.write(args[0], f"Tensor.{name}", _method_args(name, args[1:], kwargs))
             return args[0]
