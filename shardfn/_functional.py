@@ -11,7 +11,9 @@ not all at once.
 place, which is not thread-safe: rank threads of a simulated mesh sharing one module would
 mix each other's parameters. Each thread gets its own copy, whose parameters live on the
 meta device (no memory; the real values always come from the tree). Ties survive the
-copy, and buffers (persistent or not, e.g. rotary tables) are copied and used as they are.
+copy, and buffers (persistent or not, e.g. rotary tables) are copied and used as they are;
+those on the meta device (a module built there) are computed in the copy, on the device of
+the parameters ([Note: computed buffers] in shardfn/_init/buffers.py).
 
 Compiled blocks (`compile=`, or blocks compiled before the split) are in _compile.py:
 [Note: compiled blocks]. A module wrapped by `torch.compile(module)` appears in the tree
@@ -32,6 +34,7 @@ from torch import nn
 from ._compile import CompiledForward, OnRequest, compile_context, compile_options, not_traced
 from ._errors import SpecError
 from ._fsdp.view import together
+from ._init.buffers import fill_meta_buffers
 
 __all__ = ["functional"]
 
@@ -151,11 +154,15 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
             if outer:
                 unit_compilers[child_name] = around[max(outer, key=len)]
     local = threading.local()
+    meta_buffers = any(b is not None and b.device.type == "meta" for b in module.buffers())
 
-    def thread_module() -> nn.Module:
+    def thread_module(device) -> nn.Module:
         copy_ = getattr(local, "module", None)
         if copy_ is None:
-            copy_ = local.module = _meta_copy(module)
+            copy_ = _meta_copy(module)
+            if meta_buffers:  # [Note: computed buffers] in shardfn/_init/buffers.py
+                fill_meta_buffers(copy_, device)
+            local.module = copy_
             for name, ctx in recompile.items():  # inside a block, or around the blocks
                 m = copy_.get_submodule(name)
                 m._compiled_call_impl = ctx(m._call_impl)
@@ -165,9 +172,9 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
 
     @not_traced(_APPLY_EAGER, warn=True)  # [Note: no whole-step graph] in _compile.py
     def apply_fn(params, *args, **kwargs):
-        m = thread_module()
         with together(held=True):  # bound for the whole forward (embeddings, a tied head)
             bound = {name: _get(params, p) for p, name in root}
+        m = thread_module(_device_of(bound, args, kwargs) if meta_buffers else None)
         previous = getattr(local, "params", None)
         local.params = params
         try:
@@ -184,6 +191,13 @@ _APPLY_EAGER = (
     "backend (docs/howto/compile.md)."
 )
 _BLOCK_EAGER = "the gather of a block's unit runs eagerly, between graphs ([Note: compiled blocks])"
+
+
+def _device_of(bound: dict, args, kwargs) -> torch.device:
+    """The device of the forward's tensors (parameters first), for the buffers computed there."""
+    tensors = [*bound.values(), *args, *kwargs.values()]
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "meta"),
+                torch.device("cpu"))
 
 
 def _is_optimized(module: nn.Module) -> bool:

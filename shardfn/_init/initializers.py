@@ -17,7 +17,7 @@ import torch
 from .._errors import ShardingError
 
 __all__ = ["Initializer", "Param", "normal", "trunc_normal", "uniform", "zeros", "ones", "constant", "kaiming_uniform",
-           "kaiming_normal", "xavier_uniform", "xavier_normal"]
+           "kaiming_normal", "xavier_uniform", "xavier_normal", "zero_rows"]
 
 
 class Initializer:
@@ -184,6 +184,28 @@ class _Embedding(Initializer):
         return out
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
+class _ZeroRows(Initializer):
+    """`init` with some rows zero (an embedding's padding row)."""
+
+    init: Initializer
+    indices: tuple[int, ...]
+
+    @property
+    def random(self) -> bool:
+        return self.init.random
+
+    def __repr__(self) -> str:
+        return f"sf.init.zero_rows({self.init!r}, {self.indices!r})"
+
+    def rows(self, shape, dtype, start, stop, generator):
+        out = self.init.rows(shape, dtype, start, stop, generator)
+        for row in self.indices:
+            if start <= row < stop:
+                out[row - start] = 0
+        return out
+
+
 def normal(mean: float = 0.0, std: float = 1.0) -> Initializer:
     """Normal(mean, std) values (`torch.nn.init.normal_`)."""
     return _Normal(float(mean), float(std))
@@ -212,6 +234,18 @@ def ones() -> Initializer:
 def constant(value: float) -> Initializer:
     """All `value` (any dtype that holds it)."""
     return _Constant(value)
+
+
+def zero_rows(init: Initializer, rows) -> Initializer:
+    """`init` with the rows `rows` (indices along dim 0) set to zero, e.g. an embedding's
+    padding row: `zero_rows(normal(std=0.02), (pad_id,))`. The other rows are `init`'s own
+    values, the same as without `zero_rows`."""
+    if not isinstance(init, Initializer):
+        raise ShardingError(f"sf.init.zero_rows: init must be an sf.init initializer, got {init!r:.60}")
+    rows = (rows,) if isinstance(rows, int) else tuple(sorted({int(r) for r in rows}))
+    if any(r < 0 for r in rows):
+        raise ShardingError(f"sf.init.zero_rows: rows must be non-negative row indices, got {rows}")
+    return _ZeroRows(init, rows)
 
 
 def kaiming_uniform(a: float = 0.0, mode: str = "fan_in", nonlinearity: str = "leaky_relu") -> Initializer:

@@ -1,4 +1,5 @@
-"""`from_module`: describe an nn.Module's parameters with PyTorch's default initializers."""
+"""`from_module`: describe an nn.Module's parameters with its own initialization rules: a
+transformers model's `_init_weights` (recorded: rules.py), else PyTorch's defaults."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from .._functional import _walk
 from .._errors import ShardingError, bullet_list
 from .describe import Param
 from .initializers import Initializer, _Embedding, _fans, kaiming_uniform, ones, uniform, zeros
+from .record import is_transformers_model, record
+from .rules import param_initializer
 
 __all__ = ["from_module", "torch_default"]
 
@@ -43,9 +46,19 @@ def torch_default(module: torch.nn.Module, name: str) -> Initializer | None:
 def from_module(module: torch.nn.Module, overrides=None):
     """A description of `module`'s parameters, in `sf.functional(module)`'s tree layout.
 
-    Build the module under `torch.device("meta")` (no memory); each parameter gets
-    PyTorch's default initializer of its module type (`torch_default`) unless `overrides`
-    gives one.
+    Build the module under `torch.device("meta")` (no memory). Each parameter gets, unless
+    `overrides` gives one:
+
+    - for a transformers `PreTrainedModel`: what the model's own `_init_weights` does to it
+      (run on the meta-device modules and recorded, [Note: recording a model's own init]):
+      normal(std=config.initializer_range) for Linear and Embedding weights, ones for norm
+      weights (LlamaRMSNorm included), zeros for biases, the padding row zeroed, GPT-2's
+      scaled residual projections, a tied weight initialized once, as its source;
+    - for other modules: PyTorch's default initializer of its module type (`torch_default`).
+
+    The module's computed buffers (rotary `inv_freq`) are not parameters:
+    `sf.functional` computes them when it finds them on the meta device, and
+    `sf.init.materialize_buffers(module)` does it in place.
 
     Args:
       module: an nn.Module, typically on the meta device; only shapes and dtypes are read.
@@ -58,8 +71,10 @@ def from_module(module: torch.nn.Module, overrides=None):
       A pytree of `sf.init.Param`, the same structure as `sf.functional(module)[1]`.
 
     Raises:
-      ShardingError: listing every parameter of a module type without a known default and
-        no override.
+      ShardingError: listing every parameter without an initializer: one of a module type
+        without a known default and no override, or, for a transformers model, one that
+        its `_init_weights` leaves alone or initializes with a call sf.init cannot draw by
+        row blocks (e.g. `orthogonal_`), naming the call.
 
     Example:
       >>> import shardfn as sf, torch
@@ -76,17 +91,26 @@ def from_module(module: torch.nn.Module, overrides=None):
     dotted_of = dict(leaves)
     paths, tensors, treedef = _tree.flatten_with_paths(tree)
     choose = _override_fn(overrides)
+    own = _ModelRules(module) if is_transformers_model(module) else None
     out, problems = [], []
     for path, tensor in zip(paths, tensors):
         dotted = dotted_of[path]
         owner_name, _, name = dotted.rpartition(".")
         owner = module.get_submodule(owner_name)
+        where = f"params{_tree.keystr(path)} ({dotted}, shape {tuple(tensor.shape)})"
         init = choose(path, owner, name, dotted)
+        if init is None and own is not None:
+            init, problem = own.initializer(dotted, tuple(tensor.shape))
+            if problem is not None:
+                problems.append(f"{where}: {problem}; fix: pass overrides={{{dotted!r}: sf.init.normal(std=0.02)}} "
+                                f"(or any sf.init initializer)")
+                continue
         if init is None:
             init = torch_default(owner, name)
         if init is None:
+            unknown = "" if own is None else f"is left alone by {own.rules} and "
             problems.append(
-                f"params{_tree.keystr(path)} ({dotted}, shape {tuple(tensor.shape)}) belongs to a "
+                f"{where} {unknown}belongs to a "
                 f"{type(owner).__name__}, whose default initializer sf.init does not know; fix: pass "
                 f"overrides={{{type(owner).__name__}: {{{name!r}: sf.init.normal(std=0.02)}}}} or "
                 f"{{{dotted!r}: ...}}"
@@ -96,6 +120,23 @@ def from_module(module: torch.nn.Module, overrides=None):
     if problems:
         raise ShardingError("sf.init.from_module: no initializer for:\n" + bullet_list(problems))
     return _tree.unflatten(treedef, out)
+
+
+class _ModelRules:
+    """A transformers model's recorded init, per parameter."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.writes = record(model)
+        self.rules = f"{type(model).__name__}._init_weights"
+
+    def initializer(self, dotted: str, shape: tuple[int, ...]) -> tuple[Initializer | None, str | None]:
+        writes = self.writes.get(id(self.model.get_parameter(dotted)), [])
+        init, bad = param_initializer(writes, shape)
+        if bad is None:
+            return init, None
+        return None, (f"{bad.by}({bad.module or 'the model'}) calls {bad} on it, which sf.init cannot draw "
+                      f"row block by row block")
 
 
 def _override_fn(overrides) -> Callable:
