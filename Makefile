@@ -4,6 +4,11 @@
 # unless they are also marked `ci` (the lean subset CI runs); `make test-all` runs all.
 PYTHON ?= python3
 PYTEST ?= $(PYTHON) -m pytest
+# Crash isolation: the tests run in a pytest-xdist worker process, so a native crash
+# (a segfault or SIGFPE inside torch or gloo) fails the one test it hit, by name, and a
+# fresh worker runs the rest; the summary is still printed. TEST_WORKERS=2 runs two.
+TEST_WORKERS ?= 1
+ISOLATE ?= -p xdist -n $(TEST_WORKERS)
 
 .PHONY: setup demo test test-all docs docs-serve quickstart
 
@@ -17,10 +22,10 @@ quickstart: setup
 	$(PYTHON) examples/quickstart.py
 
 test: setup
-	$(PYTEST) -q -m "not slow or ci"
+	$(PYTEST) -q $(ISOLATE) -m "not slow or ci"
 
 test-all: setup
-	$(PYTEST) -q
+	$(PYTEST) -q $(ISOLATE)
 
 docs: setup
 	$(PYTHON) -m mkdocs build --strict

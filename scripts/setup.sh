@@ -27,7 +27,7 @@ installed_here() {
     # locates the packages without importing them (importing torch takes seconds).
     (cd / && "$PY" - "$ROOT" <<'PYEOF'
 import importlib.util, os, sys
-for name in ("torch", "optree", "numpy", "hypothesis", "pytest", "pytest_timeout", "matplotlib", "tqdm",
+for name in ("torch", "optree", "numpy", "hypothesis", "pytest", "pytest_timeout", "xdist", "matplotlib", "tqdm",
              "mkdocs", "mkdocstrings", "material", "nbclient", "nbformat", "ipykernel"):
     if importlib.util.find_spec(name) is None:
         sys.exit(1)
