@@ -66,13 +66,14 @@ def checkpoint_index(path) -> dict[str, str]:
     raise CheckpointError(f"{WHO}: {path!r} holds no {SINGLE} and no {INDEX} (it holds {held[:12]}).\nFix: {fix}.")
 
 
-def _architectures(path: str) -> str:
-    config = os.path.join(path, "config.json") if os.path.isdir(path) else None
+def _config(path: str) -> dict:
+    """The checkpoint's config.json, or {} (for the messages only)."""
     try:
-        with open(config) as f:
-            return f" (its config.json names {json.load(f).get('architectures')})"
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        return config if isinstance(config, dict) else {}
     except (OSError, TypeError, ValueError):
-        return ""
+        return {}
 
 
 def _resolve(key: str, names: Mapping[str, str], tails: Mapping[str, str], aliases: Mapping[str, list[str]]):
@@ -222,14 +223,18 @@ def _check_keys(path, index, keys, sources, paths, metas, tied, strict) -> None:
     unexpected = [n for n in index if n not in used and n not in tied] if strict else []
     if not (missing or unexpected):
         return
-    parts = [f"{WHO}: `like` and the checkpoint {path!r}{_architectures(path)} do not hold the same tensors."]
+    config = _config(path)
+    named = f" (its config.json names {config['architectures']})" if config.get("architectures") else ""
+    parts = [f"{WHO}: `like` and the checkpoint {path!r}{named} do not hold the same tensors."]
     fixes = []
     if missing:
         parts.append(f"Missing from the checkpoint ({len(missing)}):\n{listing(missing)}")
         fixes.append("build `like` from the model class and config the checkpoint was saved from "
-                     "(AutoConfig.from_pretrained(path)); a weight the checkpoint ties to another (config."
-                     "tie_word_embeddings=True drops lm_head.weight) is held once by sf.functional only when the "
-                     "model is built tied; names that differ: key_map={our key: file key}")
+                     "(AutoConfig.from_pretrained(path)); names that differ: key_map={our key: file key}")
+        if config.get("tie_word_embeddings"):
+            fixes.append("the checkpoint ties the output embeddings to the input ones (its config.json has "
+                         "tie_word_embeddings=true, so lm_head.weight is not stored): build the model with "
+                         "tie_word_embeddings=True, and sf.functional holds that weight once")
     if unexpected:
         parts.append(f"In the checkpoint but not in `like` ({len(unexpected)}):\n{listing(sorted(unexpected))}")
         fixes.append("pass tied=sf.checkpoint.tied_keys(model) when they are tied copies, or strict=False to "
