@@ -3,7 +3,8 @@
 The model is a transformers `LlamaForCausalLM`: by default a small random-init one whose
 config and weights this script writes itself with `save_pretrained` (no download), or
 any local directory `save_pretrained` wrote (`--model-dir`). No rank builds the whole
-model: the model is built on the meta device (shapes only), `sf.functional` turns it
+model: `sf.hf.empty_model` builds it with its parameters on the meta device (shapes
+only; the rotary tables are computed), `sf.functional` turns it
 into a function of a parameter tree (`remat=True`: each decoder layer's activations are
 recomputed in the backward), `sf.shard` shards that tree over the mesh, and
 `sf.hf.load_shards` reads each rank's rows of the weights straight from the
@@ -57,7 +58,7 @@ OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 TEXT = (__doc__ + "\n") * 20  # a repeated text: the model should learn it quickly
 
 
-# -- the model: a directory save_pretrained wrote, then a meta model of its config ----
+# -- the model: a directory save_pretrained wrote -------------------------------------
 
 
 def write_random_model(cfg: Config, directory: str, seed: int) -> None:
@@ -70,26 +71,6 @@ def write_random_model(cfg: Config, directory: str, seed: int) -> None:
                          bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(directory)
-
-
-def meta_model(directory: str):
-    """The model of `directory`'s config with its parameters on the meta device (no memory).
-
-    Buffers the model computes (the rotary `inv_freq`) are made real by the model's own
-    `_init_weights`, which transformers 5 uses for them too; the parameters come from the
-    checkpoint, read into shards by `sf.hf.load_shards`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(directory)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    for module in model.modules():
-        metas = [name for name, b in module.named_buffers(recurse=False) if b.is_meta]
-        for name in metas:
-            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
-        if metas:
-            model._init_weights(module)
-    return model
 
 
 # -- data: a repeated character-level text ----------------------------------------------
@@ -137,10 +118,9 @@ class Progress:
             self.bar.close()
 
 
-def train(mesh, cfg: Config, args, model_dir: str, export_dir: str, data: torch.Tensor):
+def train(mesh, cfg: Config, args, model, model_dir: str, export_dir: str, data: torch.Tensor):
     """Run on every rank: load shards, fine-tune, export. Returns (losses, sharded logits, eval ids)."""
     torch.set_num_threads(1)  # the ranks are the parallelism
-    model = meta_model(model_dir)
     apply_fn, like = sf.functional(model, remat=True)  # like: meta tensors (tree, shapes, dtypes)
 
     def loss_fn(params, ids):  # ids: (B, T); transformers shifts the labels itself
@@ -231,14 +211,15 @@ def main():
     if distributed:
         torch.distributed.barrier()  # the base model is written before any rank reads it
 
-    from transformers import AutoConfig
-
-    data = encode(TEXT, AutoConfig.from_pretrained(model_dir).vocab_size)
+    # Parameters on the meta device (no memory: the shards come from the files), buffers
+    # such as the rotary tables computed; built once per process, before the rank threads.
+    model = sf.hf.empty_model(model_dir)
+    data = encode(TEXT, model.config.vocab_size)
     if rank0:
         print(f"{mesh}: fine-tuning {model_dir} on {len(data):,} characters, global batch "
               f"{cfg.batch_size * world} x {cfg.block_size}, {cfg.steps} steps")
     t0 = time.perf_counter()
-    losses, logits, eval_ids = mesh.run(train, mesh, cfg, args, model_dir, export_dir, data)[0]
+    losses, logits, eval_ids = mesh.run(train, mesh, cfg, args, model, model_dir, export_dir, data)[0]
     if rank0:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {time.perf_counter() - t0:.1f} s")
         plot_losses(losses, os.path.join(args.out, "finetune_hf_loss.png"))

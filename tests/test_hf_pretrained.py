@@ -175,8 +175,9 @@ def test_load_shards_tp_and_hsdp(saved, mesh_shape, kw, tmp_path):
 def test_export_trained_shards_loads_in_transformers_with_same_logits(saved, arch, tmp_path):
     path, model = saved[arch]
     spec = ARCHS[arch]
-    apply_fn, _ = sf.functional(model)
-    like = sf.functional(build(spec, device="meta"))[1]
+    empty = sf.hf.empty_model(spec[1], spec[0], dtype=spec[2]).eval()  # no weights held; eval: no dropout
+    assert all(p.is_meta for p in empty.parameters()) and not any(b.is_meta for b in empty.buffers())
+    apply_fn, like = sf.functional(empty)
     mesh = mesh_for({"data": 2})
     step = sf.shard(loss_fn_for(apply_fn), mesh, has_aux=True)
     out = str(tmp_path / "export")
@@ -186,7 +187,7 @@ def test_export_trained_shards_loads_in_transformers_with_same_logits(saved, arc
         shards = sf.hf.load_shards(step, path, like)
         grads, _ = torch.func.grad(step, has_aux=True)(shards, ids.chunk(2)[mesh.rank])
         shards = optree.tree_map(lambda s, g: s - 0.1 * g, shards, grads, namespace="shardfn")  # one SGD step
-        stats = sf.hf.save_pretrained(out, step, shards, model, max_shard_size="30KB")
+        stats = sf.hf.save_pretrained(out, step, shards, empty, max_shard_size="30KB")
         return stats, step(shards, ids)[1], step.unshard_params(shards)
 
     (stats, logits, trained), _ = mesh.run(body)
