@@ -118,14 +118,15 @@ def save_pretrained(path, step, shards: Any, model, *, max_shard_size="5GB", dty
     Example:
       >>> import shardfn as sf, torch, tempfile, os
       >>> from transformers import GPT2Config, GPT2LMHeadModel
-      >>> model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32))
+      >>> model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32,
+      ...                                    bos_token_id=0, eos_token_id=0))
       >>> apply_fn, params = sf.functional(model)
       >>> mesh = sf.local_mesh({"data": 2})
       >>> step = sf.shard(lambda p, ids: apply_fn(p, ids, labels=ids, use_cache=False).loss, mesh)
       >>> path = os.path.join(tempfile.mkdtemp(), "gpt2-tiny")
       >>> stats = mesh.run(lambda: sf.hf.save_pretrained(path, step, step.shard_params(params), model))[0]
       >>> sorted(os.listdir(path)), stats.total_bytes
-      (['config.json', 'generation_config.json', 'model.safetensors'], 436992)
+      (['config.json', 'generation_config.json', 'model.safetensors'], 114176)
     """
     mesh = step.mesh
     if not mesh.in_rank():
