@@ -83,7 +83,7 @@ def _resolve(key: str, names: Mapping[str, str], tails: Mapping[str, str], alias
     for candidate in [key] + aliases.get(key, []):
         if candidate in names:
             return candidate
-        head, _, rest = candidate.partition(".")
+        rest = candidate.partition(".")[2]
         if rest and rest in names:
             return rest
         if candidate in tails:
@@ -179,7 +179,7 @@ def load_shards(step, path, like: Any, *, cast: bool = False, key_map: KeyMap = 
             aliases.setdefault(to_file(ours), []).append(to_file(other))
         tails: dict[str, str] = {}
         for name in index:
-            head, _, rest = name.partition(".")
+            rest = name.partition(".")[2]
             if rest:
                 tails[rest] = None if rest in tails else name  # None: ambiguous
         tails = {k: v for k, v in tails.items() if v is not None}
@@ -189,13 +189,13 @@ def load_shards(step, path, like: Any, *, cast: bool = False, key_map: KeyMap = 
         for file in sorted({index[s] for s in sources}):
             headers[file] = read_header(file, stats)
         entries = []
-        for i, (source, meta) in enumerate(zip(sources, metas)):
+        for source in sources:
             entry = headers[index[source]].entries.get(source)
             if entry is None:
                 raise CheckpointError(f"{WHO}: the index names {index[source]!r} for {source!r}, but that file does "
                                       f"not hold it; the checkpoint is damaged")
             entries.append(entry)
-        _check_shapes(keys, sources, paths, metas, entries, cast)
+        _check_shapes(sources, paths, metas, entries, cast)
         order = sorted(range(len(keys)), key=lambda i: (index[sources[i]], entries[i].begin))
         file, f = None, None
         try:
@@ -242,9 +242,9 @@ def _check_keys(path, index, keys, sources, paths, metas, tied, strict) -> None:
     raise CheckpointKeyError("\n".join(parts) + "\nFix: " + "; ".join(fixes) + ".")
 
 
-def _check_shapes(keys, sources, paths, metas, entries, cast: bool) -> None:
+def _check_shapes(sources, paths, metas, entries, cast: bool) -> None:
     shapes, dtypes = [], []
-    for key, source, p, meta, entry in zip(keys, sources, paths, metas, entries):
+    for source, p, meta, entry in zip(sources, paths, metas, entries):
         name = f"{source!r} (like{_tree.keystr(p)})"
         if entry.shape != tuple(meta.shape):
             shapes.append(f"{name}: the checkpoint holds {entry.shape}, like has {tuple(meta.shape)}")

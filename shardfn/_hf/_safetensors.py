@@ -181,7 +181,8 @@ class Writer:
     def write(self, name: str, t: torch.Tensor) -> None:
         begin, n = self.offsets[name]
         data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        assert data.numel() == n, (name, data.numel(), n)
+        if data.numel() != n:
+            raise CheckpointError(f"sf.hf: {name!r}: {data.numel()} bytes to write where the header has {n}")
         self.file.seek(self.start + begin)
         self.file.write(memoryview(data.numpy()))
         self.written.add(name)

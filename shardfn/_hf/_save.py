@@ -138,7 +138,7 @@ def save_pretrained(path, step, shards: Any, model, *, max_shard_size="5GB", dty
     max_bytes = parse_size(max_shard_size)
     order: list[tuple[tuple, str]] = []
     full_tree = _walk(model, (), "", set(), order, {})
-    keys, shapes, dtypes, leaves = _describe(full_tree, shards, key_map, dtype)
+    keys, shapes, dtypes = _describe(full_tree, shards, key_map, dtype)
     position = {p: i for i, (p, _) in enumerate(order)}
     paths = _tree.flatten_with_paths(full_tree)[0]
     by_module = sorted(range(len(keys)), key=lambda i: position.get(paths[i], len(order) + i))
@@ -226,7 +226,7 @@ def _describe(full_tree, shards, key_map, dtype):
     keys = [leaf.key for leaf in named_leaves(full_tree, None, key_map, who=WHO, what="params")[0]]
     shapes = [tuple(x.shape) for x in full_leaves]
     dtypes = [dtype if (dtype is not None and s.is_floating_point()) else s.dtype for s in shard_leaves]
-    return keys, shapes, dtypes, shard_leaves
+    return keys, shapes, dtypes
 
 
 def _write_configs(model, directory: str, dtype) -> None:
