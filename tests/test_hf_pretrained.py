@@ -351,6 +351,37 @@ def test_export_errors(tmp_path, saved):
     assert os.listdir(tmp_path) == ["taken"]
 
 
+def test_export_failing_mid_write_raises_everywhere_and_leaves_nothing(tmp_path, saved, monkeypatch):
+    """Rank 0 fails writing a leaf while the other ranks gather: every rank raises, and
+    neither the target nor a temporary directory is left (the write is atomic)."""
+    path, model = saved["llama-f32"]
+    apply_fn, full = sf.functional(model)
+    mesh = mesh_for({"data": 2})
+    step = sf.shard(loss_fn_for(apply_fn), mesh, has_aux=True)
+    from shardfn._hf import _safetensors
+
+    real, calls = _safetensors.Writer.write, []
+
+    def flaky(self, name, t):
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError("injected: disk full")
+        return real(self, name, t)
+
+    monkeypatch.setattr(_safetensors.Writer, "write", flaky)
+    results = []
+
+    def body():
+        try:
+            sf.hf.save_pretrained(str(tmp_path / "out"), step, step.shard_params(full), model)
+        except OSError as err:
+            results.append((mesh.rank, str(err)))
+
+    mesh.run(body)
+    assert sorted(results) == [(0, "injected: disk full"), (1, "injected: disk full")]
+    assert os.listdir(tmp_path) == []
+
+
 # -- real processes ------------------------------------------------------------------------------
 
 
