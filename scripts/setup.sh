@@ -28,7 +28,8 @@ installed_here() {
     (cd / && "$PY" - "$ROOT" <<'PYEOF'
 import importlib.util, os, sys
 for name in ("torch", "optree", "numpy", "hypothesis", "pytest", "pytest_timeout", "xdist", "matplotlib", "tqdm",
-             "mkdocs", "mkdocstrings", "material", "nbclient", "nbformat", "ipykernel"):
+             "mkdocs", "mkdocstrings", "material", "nbclient", "nbformat", "ipykernel",
+             "transformers", "safetensors"):
     if importlib.util.find_spec(name) is None:
         sys.exit(1)
 spec = importlib.util.find_spec("shardfn")

@@ -69,6 +69,7 @@ __all__ = [
     "estimate",
     "functional",
     "gather",
+    "hf",
     "init",
     "init_mesh",
     "local_mesh",
@@ -93,18 +94,22 @@ __all__ = [
 ]
 
 
+_LAZY = ("testing", "hf")
+
+
 def __getattr__(name: str):
-    """`sf.testing` is imported on first access, so `import shardfn` stays light (the test
-    helpers pull in multiprocessing machinery, and `shardfn.testing.strategies` hypothesis)."""
-    if name == "testing":
+    """`sf.testing` and `sf.hf` are imported on first access, so `import shardfn` stays light
+    (the test helpers pull in multiprocessing machinery, and `shardfn.testing.strategies`
+    hypothesis; `sf.hf` is for transformers users)."""
+    if name in _LAZY:
         import importlib
 
-        return importlib.import_module(".testing", __name__)  # also binds shardfn.testing
+        return importlib.import_module("." + name, __name__)  # also binds shardfn.<name>
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | {"testing"})
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def _prime_compile() -> None:

@@ -180,6 +180,49 @@ def test_train_gpt_fsdp_tp_torchrun_matches_simulated(tmp_path):
     assert os.listdir(tmp_path / "ckpt") == ["step_000005"]  # FSDP x TP shards saved by 4 processes
 
 
+# -- fine-tuning a transformers model (sf.hf) ------------------------------------------
+
+
+def finetune_hf(tmp_path, *args, launcher=None) -> str:
+    pytest.importorskip("transformers")
+    return run_example("finetune_hf.py", "--tiny", "--quiet", "--out", str(tmp_path), *args, launcher=launcher)
+
+
+def loss_line(text: str) -> tuple[float, float]:
+    first, last = re.search(r"loss ([0-9.]+) -> ([0-9.]+)", text).groups()
+    return float(first), float(last)
+
+
+def test_finetune_hf_tiny_loads_trains_exports_and_reloads(tmp_path):
+    """examples/finetune_hf.py: a random-init Llama written by the example, sharded load over
+    2 ranks (each reads half of the weight bytes), AdamW with remat, export, from_pretrained
+    -> the sharded model's logits."""
+    out = finetune_hf(tmp_path, "--steps", "4")
+    assert number_after("max |logits diff| (from_pretrained vs sharded):", out) <= 1e-6
+    read, total = re.search(r"rank 0 read ([0-9,]+) of ([0-9,]+) weight bytes", out).groups()
+    assert 2 * int(read.replace(",", "")) == int(total.replace(",", ""))  # its rows: half of every leaf
+    first, last = loss_line(out)
+    assert 4.0 < first < 5.0 and last < first
+    assert out.rstrip().endswith("OK")
+    exported = tmp_path / "finetune_hf" / "finetuned"
+    assert sorted(os.listdir(exported)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert (tmp_path / "finetune_hf_loss.png").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_finetune_hf_torchrun_matches_simulated_and_model_dir(tmp_path):
+    """The same losses under torchrun (2 processes); then fine-tuning the export again (--model-dir)."""
+    sim = finetune_hf(tmp_path / "sim", "--steps", "3")
+    dist = finetune_hf(tmp_path / "dist", "--steps", "3", launcher=[torchrun(), "--standalone", "--nproc-per-node", "2"])
+    assert "kind='distributed'" in dist and loss_line(dist) == loss_line(sim)
+    assert dist.rstrip().endswith("OK")
+    exported = tmp_path / "sim" / "finetune_hf" / "finetuned"
+    again = finetune_hf(tmp_path / "again", "--steps", "2", "--model-dir", str(exported))
+    assert f"fine-tuning {exported}" in again and again.rstrip().endswith("OK")
+    assert loss_line(again)[0] < loss_line(sim)[0]  # it starts from the fine-tuned weights
+
+
 # -- notebooks --------------------------------------------------------------------------
 
 

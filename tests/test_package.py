@@ -25,3 +25,16 @@ def test_sf_testing_is_reachable_after_a_plain_import():
 def test_an_unknown_attribute_is_an_attribute_error():
     out = run_python("import shardfn as sf\ntry:\n    sf.no_such_name\nexcept AttributeError as e:\n    print(e)")
     assert out.strip() == "module 'shardfn' has no attribute 'no_such_name'"
+
+
+def test_import_shardfn_does_not_import_transformers_or_safetensors():
+    out = run_python("import sys, shardfn; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+                     "('transformers', 'safetensors') or m in ('shardfn.hf', 'shardfn._hf')))")
+    assert out.strip() == "[]"
+
+
+def test_sf_hf_is_a_lazy_attribute_that_imports_neither_package():
+    out = run_python("import sys, shardfn as sf; f = sf.hf.load_shards; import shardfn.hf as h; "
+                     "print(f is h.load_shards, 'hf' in dir(sf), 'hf' in sf.__all__, "
+                     "any(m.split('.')[0] in ('transformers', 'safetensors') for m in sys.modules))")
+    assert out.split() == ["True", "True", "True", "False"]

@@ -19,7 +19,7 @@ from .._agree import check_same_everywhere
 from .._spec import block_index, chunk_bounds
 from .._init.describe import _check_seed, describe, sample
 
-__all__ = ["init_shards"]
+__all__ = ["init_shards", "local_bounds"]
 
 
 def init_shards(step, init_fn, seed: int):
@@ -35,17 +35,26 @@ def init_shards(step, init_fn, seed: int):
         "call step.init_shards with the same description and the same seed on every rank.",
     )
     plan, _ = step._lay_out(_tree.unflatten(treedef, metas), paths, metas, treedef, allow_meta=True)
-    index = mesh.group(cfg.shard_axes).index
-    shards = []
+    bounds = local_bounds(plan, mesh, cfg.shard_axes, [p.shape for p in params])
     with torch.no_grad():
-        for layout, param, path, spec in zip(plan.leaves, params, paths, plan.tp_specs):
-            bounds = _tp_bounds(param.shape, spec, mesh)
-            if layout.sharded:  # this rank's dim-0 chunk of its tensor-parallel block
-                first = bounds[0][0]
-                start, stop = chunk_bounds(layout.rows, plan.k, index)
-                bounds[0] = (first + start, first + stop)
-            shards.append(sample(param, path, seed, bounds, device=mesh.device))
+        shards = [sample(param, path, seed, b, device=mesh.device) for param, path, b in zip(params, paths, bounds)]
     return _tree.unflatten(treedef, shards)
+
+
+def local_bounds(plan, mesh, shard_axes, shapes) -> list[list[tuple[int, int]]]:
+    """Per leaf, per dim, the global `(start, stop)` of this rank's shard of a leaf of that
+    global shape: its tensor-parallel block, dim 0 narrowed to the shard group's chunk of
+    that block when the leaf is sharded. (`sf.hf.load_shards` reads exactly these ranges.)"""
+    index = mesh.group(shard_axes).index
+    out = []
+    for layout, shape, spec in zip(plan.leaves, shapes, plan.tp_specs):
+        bounds = _tp_bounds(shape, spec, mesh)
+        if layout.sharded:  # this rank's dim-0 chunk of its tensor-parallel block
+            first = bounds[0][0]
+            start, stop = chunk_bounds(layout.rows, plan.k, index)
+            bounds[0] = (first + start, first + stop)
+        out.append(bounds)
+    return out
 
 
 def _tp_bounds(shape, spec, mesh) -> list[tuple[int, int]]:

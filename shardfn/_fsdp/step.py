@@ -16,18 +16,17 @@ import torch
 from .. import _tree
 from .._compile import WHOLE_STEP, not_traced
 from .._agree import check_same_everywhere
-from .._backend import ops
 from .._collectives import binding, bound_mesh
 from .._errors import ShardingError, SpecError
-from .._blocks import gather_blocks, slice_block
+from .._blocks import slice_block
 from .._spec import chunk_bounds
 from . import tp
-from .autograd import plain
 from .config import Config, MixedPrecision, make_config
 from .eager import eager_grad_and_value
-from .plan import Plan, build_plan, copy_out, leaf_views, pack_shards
+from .plan import Plan, build_plan
 from .reduce import Stats
 from .runtime import RankState, StepMode
+from .unshard import iter_unshard
 from .view import make_view
 
 __all__ = ["shard", "Shard"]
@@ -146,26 +145,15 @@ class Shard:
 
     @not_traced(_COLLECTIVES)
     def unshard_params(self, shards):
-        """The full parameter tree on every rank (for evaluation or export); no autograd."""
+        """The full parameter tree on every rank (for evaluation or export); no autograd.
+
+        Collective. Gathers one unit at a time (`shardfn/_fsdp/unshard.py`), keeping each.
+        """
         plan = self._plan_for(shards)
         _, leaves, treedef = _tree.flatten_with_paths(shards)
-        group = self.mesh.group(self.config.shard_axes)
         full_leaves = list(leaves)
-        with torch.no_grad():
-            for unit in plan.units:
-                if not unit.sharded:
-                    continue
-                dtype = unit.dtype
-                send = pack_shards(unit, [plain(leaves[l.index]) for l in unit.sharded], dtype, self.mesh.device)
-                gathered = ops.all_gather_async(group, send).wait()
-                full = torch.empty(unit.full_numel, dtype=dtype, device=self.mesh.device)
-                copy_out(unit, gathered, full)
-                for layout, view in zip(unit.sharded, leaf_views(unit, full)):
-                    full_leaves[layout.index] = view.clone()
-            full_leaves = [plain(x) for x in full_leaves]
-            for i, spec in enumerate(plan.tp_specs):
-                if spec.axes:  # the tensor-parallel blocks -> the global leaf
-                    full_leaves[i] = gather_blocks(full_leaves[i], spec, self.mesh)
+        for index, leaf in iter_unshard(self, shards):  # a sharded leaf is a view of its unit's buffer
+            full_leaves[index] = leaf.clone() if plan.leaves[index].sharded else leaf
         return _tree.unflatten(treedef, full_leaves)
 
     @property
