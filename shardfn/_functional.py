@@ -32,6 +32,7 @@ from torch import nn
 from ._compile import CompiledForward, OnRequest, compile_context, compile_options, not_traced
 from ._errors import SpecError
 from ._fsdp.view import together
+from ._remat_modules import checkpointing, takes_use_cache, turn_off_checkpointing, without_cache
 
 __all__ = ["functional"]
 
@@ -109,6 +110,14 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
       torch.Size([5, 2])
     """
     options = compile_options(compile)
+    checkpointed = checkpointing(module)  # model.gradient_checkpointing_enable(): blocks under sf.remat instead
+    if options is not None and checkpointed:
+        raise SpecError(
+            f"sf.functional: compile= on a model with Hugging Face gradient checkpointing on (e.g. "
+            f"{checkpointed[0]!r}): shardfn would recompute the blocks with sf.remat, which does not run "
+            f"compiled code.\nFix: model.gradient_checkpointing_disable() before sf.functional(model, compile=...), "
+            f"or keep the checkpointing and drop compile= (sf.functional(model, remat=True))."
+        )
     if options is not None and remat is not None and remat is not False:
         raise SpecError(
             "sf.functional: remat= and compile= together would run the blocks eagerly: sf.remat recomputes a "
@@ -116,10 +125,13 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
             "recompute inside the compiled block with torch.utils.checkpoint.checkpoint(..., use_reentrant=False) "
             "in its forward (torch.compile recomputes it in its backward graph), or keep remat= without compile=."
         )
-    if remat is True:
+    if remat is True or (checkpointed and (remat is None or remat is False)):
         from ._remat import policies
 
         remat = policies.nothing_saveable
+    if remat is False:
+        remat = None
+    no_cache = remat is not None and takes_use_cache(module)  # [Note: transformers under remat]
     leaves: list[tuple[tuple, str]] = []
     children: dict[tuple, str] = {}
     params = _walk(module, (), "", set(), leaves, children)
@@ -156,16 +168,20 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
         copy_ = getattr(local, "module", None)
         if copy_ is None:
             copy_ = local.module = _meta_copy(module)
+            turn_off_checkpointing(copy_)  # HF's torch.utils.checkpoint: replaced by sf.remat on the blocks
             for name, ctx in recompile.items():  # inside a block, or around the blocks
                 m = copy_.get_submodule(name)
                 m._compiled_call_impl = ctx(m._call_impl)
             for child_name, paths in units.values():
-                _bind_child(copy_.get_submodule(child_name), paths, local, remat, unit_compilers.get(child_name))
+                _bind_child(copy_.get_submodule(child_name), paths, local, remat, unit_compilers.get(child_name),
+                            child_name)
         return copy_
 
     @not_traced(_APPLY_EAGER, warn=True)  # [Note: no whole-step graph] in _compile.py
     def apply_fn(params, *args, **kwargs):
         m = thread_module()
+        if no_cache:
+            kwargs = without_cache(kwargs, module)
         with together(held=True):  # bound for the whole forward (embeddings, a tied head)
             bound = {name: _get(params, p) for p, name in root}
         previous = getattr(local, "params", None)
@@ -197,7 +213,7 @@ def _torch_compile(options: dict) -> Callable:
     return lambda fn: torch.compile(fn, **options)
 
 
-def _bind_child(child: nn.Module, paths, local, remat=None, compiler=None) -> None:
+def _bind_child(child: nn.Module, paths, local, remat=None, compiler=None, name: str = "") -> None:
     original = child.forward
     if _is_optimized(child):  # torch.compile(block): its forward is compiled already
         original = CompiledForward(original, child._orig_mod.__call__)
@@ -218,6 +234,7 @@ def _bind_child(child: nn.Module, paths, local, remat=None, compiler=None) -> No
     if remat is not None:
         from ._remat import remat as rematerialize
 
+        run.__qualname__ = f"block {name!r} ({type(child).__name__})"  # how sf.remat's errors name it
         run = rematerialize(run, policy=remat)
 
     @not_traced(_BLOCK_EAGER)  # a compiled module around the blocks: a graph break here
