@@ -144,8 +144,7 @@ class _Record(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func._schema.is_mutable:
-            self.tracker.before(func, args, kwargs)
+        self.tracker.before(func, args, kwargs)
         out = func(*args, **kwargs)
         self.tracker.after(func, out)
         i, self.index = self.index, self.index + 1

@@ -36,10 +36,20 @@ def checkpointing(module: nn.Module) -> list[str]:
 
 
 def turn_off_checkpointing(module: nn.Module) -> None:
-    """HF's gradient checkpointing off on `module` (a per-thread copy): sf.remat does it."""
-    for _, m in module.named_modules():
+    """HF's gradient checkpointing off on `module` (a per-thread copy): sf.remat does it.
+    Also drops the hook HF adds with it that sets `requires_grad_()` on the embeddings'
+    output (for reentrant checkpointing; refused under `torch.func`, useless to sf.remat).
+    The copy's hook handles point at the original's hook dicts: they are not called."""
+    if not checkpointing(module):
+        return
+    for m in module.modules():
         if getattr(m, "gradient_checkpointing", False) is True:
             m.gradient_checkpointing = False
+        for key, hook in list(m._forward_hooks.items()):
+            if getattr(hook, "__qualname__", "").endswith("enable_input_require_grads.<locals>.make_inputs_require_grads"):
+                del m._forward_hooks[key]
+        if "_require_grads_hooks" in vars(m):
+            m._require_grads_hooks = []
 
 
 def takes_use_cache(module: nn.Module) -> bool:

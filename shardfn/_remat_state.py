@@ -63,9 +63,18 @@ def _tensors(x) -> list[torch.Tensor]:
     return []
 
 
+# Ops that write arguments their schema does not mark: the batch norms' running statistics
+# (arguments 3 and 4) when `training` (argument 5) is set.
+_UNMARKED_WRITES = {name: (3, 4) for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")}
+
+
 def written(func, args, kwargs) -> list[torch.Tensor]:
-    """The tensor arguments that `func`'s schema marks as written (`Tensor(a!)`)."""
+    """The tensor arguments that `func` writes: those its schema marks (`Tensor(a!)`), and
+    the running statistics of a batch norm in training."""
     out = []
+    unmarked = _UNMARKED_WRITES.get(func._schema.name.split("::")[-1])
+    if unmarked is not None and len(args) > 5 and args[5] is True:
+        out.extend(t for i in unmarked for t in _tensors(args[i]))
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
@@ -96,6 +105,8 @@ class Tracker:
         self.snapshots: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (the tensor, its storage's values)
 
     def before(self, func, args, kwargs) -> None:
+        if not func._schema.is_mutable and func._schema.name.split("::")[-1] not in _UNMARKED_WRITES:
+            return
         for t in written(func, args, kwargs):
             key = storage_key(t)
             if key is None or key in self.created or key in self.snapshots:
@@ -154,11 +165,11 @@ class Recompute(TorchFunctionMode):
         # Made here, inside the recompute's transform: writable there. Keyed by storage.
         self.scratch = {key: snap.clone() for key, (_, snap) in snapshots.items()}
 
-    def _swap(self, x):
-        if not self.scratch or not isinstance(x, torch.Tensor):
-            return x
+    def _swap(self, x, swapped: dict):
         if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-            return type(x)(self._swap(t) for t in x)
+            return type(x)(self._swap(t, swapped) for t in x)
+        if not isinstance(x, torch.Tensor):
+            return x
         if type(x) is not torch.Tensor and type(x) is not torch.nn.Parameter:
             return x
         if torch._C._functorch.is_functorch_wrapped_tensor(x):
@@ -170,14 +181,19 @@ class Recompute(TorchFunctionMode):
             raise SpecError(f"sf.remat: {self.name} reads a tensor it wrote in its forward as {x.dtype} "
                             f"(a dtype view of state kept as {scratch.dtype}), which remat does not replay.\n"
                             f"Fix: keep the state out of the remat'd function.")
-        return scratch.as_strided(x.shape, x.stride(), x.storage_offset())
+        view = scratch.as_strided(x.shape, x.stride(), x.storage_offset())
+        swapped[id(view)] = x
+        return view
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        swapped = {}
         if self.scratch:
-            args = tuple(self._swap(a) for a in args)
-            kwargs = {k: self._swap(v) for k, v in kwargs.items()}
+            args = tuple(self._swap(a, swapped) for a in args)
+            kwargs = {k: self._swap(v, swapped) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
+        if swapped and isinstance(out, torch.Tensor) and id(out) in swapped:
+            out = swapped[id(out)]  # `x += 1` returns x, which Python then assigns: the real tensor, not its copy
         i, self.index = self.index, self.index + 1
         want = self.calls[i] if i < len(self.calls) else None
         got = (func, call_signature(out))
@@ -252,9 +268,10 @@ def _describe(func, sig) -> str:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
     if getattr(func, "__name__", None) == "__get__" and hasattr(func, "__self__"):  # a Tensor property
         name = f"Tensor.{func.__self__.__name__}"
-    module = getattr(func, "__module__", None)
-    if module and module.startswith("torch") and "Tensor" not in name:
-        name = f"{module.replace('torch._C._VariableFunctions', 'torch').replace('torch.nn.functional', 'F')}.{name}"
+    if name.startswith("_VariableFunctionsClass."):  # torch.cat and the other builtins
+        name = "torch." + name.split(".", 1)[1]
+    elif getattr(func, "__module__", None) == "torch.nn.functional":
+        name = "F." + name
     return f"{name} -> {shapes}"
 
 
