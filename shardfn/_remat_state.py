@@ -49,8 +49,8 @@ __all__ = ["Tracker", "Trace", "Recompute", "fingerprint", "check_outputs", "div
 
 def storage_key(t: torch.Tensor):
     """The identity of `t`'s storage (None for meta / empty storages, which hold no values)."""
-    if t.device.type == "meta":
-        return None
+    if t.device.type == "meta" or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return None  # no values (meta), or a subclass (fake tensors: no data pointer)
     storage = t.untyped_storage()
     return storage.data_ptr() if storage.nbytes() else None
 
@@ -218,7 +218,7 @@ def fingerprint(outputs) -> list | None:
         for t in outputs:
             if torch._C._functorch.is_batchedtensor(t):
                 return None
-            if not (t.is_floating_point() or t.is_complex()) or t.device.type == "meta":
+            if not (t.is_floating_point() or t.is_complex()) or storage_key(t) is None:
                 prints.append(None)
                 continue
             d = t.detach().to(torch.complex128 if t.is_complex() else torch.float64)
