@@ -76,6 +76,12 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
       remat: a policy from `sf.remat_policies` (or True for `nothing_saveable`): each child
         of the first `ModuleList` / `Sequential` (the blocks, shard's default units) runs
         under `sf.remat` with it, so its activations are recomputed in the backward.
+        transformers models then run with `use_cache=False` while gradients are recorded,
+        as under Hugging Face's gradient checkpointing ([Note: transformers under remat]);
+        a model on which `gradient_checkpointing_enable()` was called gets `remat=True`
+        (HF's `torch.utils.checkpoint` is turned off on shardfn's copies, not on `module`).
+        Modules that write buffers (BatchNorm) update them once per forward, as without
+        remat. docs/howto/remat.md has the details.
       compile: True, or a dict of `torch.compile` keyword arguments (`{"mode":
         "max-autotune", "fullgraph": True}`): the forward of each of those blocks is
         compiled, one graph per block (blocks of one class share it, across rank threads
@@ -92,6 +98,10 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
       `apply_fn(params, *args, **kwargs)` calling the module's forward with those
       parameters, and `params`, a nested dict of detached parameter tensors following the
       module tree (lists for `ModuleList` / `Sequential`). Tied parameters appear once.
+
+    Raises:
+      SpecError: remat= (or HF gradient checkpointing) with compile=; from `apply_fn`,
+        `use_cache=True` passed with remat while gradients are recorded.
 
     Example:
       >>> import shardfn as sf, torch

@@ -396,6 +396,14 @@ def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_t
     `step.grad_and_value`, and inside `sf.shard`'s `loss_fn`, where a block's gathered
     parameters are re-gathered by shard's own schedule for the recompute.
 
+    State: tensors `fn` writes without having created them (BatchNorm's running
+    statistics, a static cache) are written once, by the forward; the recompute reads and
+    writes scratch copies of their values from before the forward ([Note: state in
+    remat]). State remat cannot copy (a transformers `DynamicCache`, a Python counter or
+    list) must leave the recompute's torch calls, their result shapes and its outputs
+    those of the forward, or a SpecError is raised ([Note: a recompute must be its
+    forward]): remat never differentiates another computation silently.
+
     Args:
       fn: a function of tensors and other values (non-tensors are held as constants);
         returns a tensor or a pytree of them. Inside `sf.shard`, pass it the block's own
@@ -409,6 +417,12 @@ def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_t
 
     Returns:
       A function with `fn`'s signature.
+
+    Raises:
+      SpecError: for a bad `policy` / `offload_to`; in the forward, when `fn` writes one of
+        its own tensor arguments in place; in the backward, when the recompute is not the
+        forward again (state changed by the forward: a KV cache appended to, a counter),
+        naming the function, the first differing call and the fix.
 
     Example:
       >>> import torch, shardfn as sf

@@ -197,3 +197,13 @@ def test_torch_utils_checkpoint_in_a_shard_loss_names_remat():
         with pytest.raises(sf.SpecError, match=rf"(?s)shard: {where}: torch.utils.checkpoint failed inside it.*"
                                                 r"Fix: recompute with sf.remat\(block\)"):
             mesh.run(body)
+
+
+def test_gradient_checkpointing_with_compile_is_an_error():
+    model = _model("gpt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.gradient_checkpointing_enable()
+    with pytest.raises(sf.SpecError, match=r"(?s)compile= on a model with Hugging Face gradient checkpointing on "
+                                            r"\(e.g. 'transformer'\).*Fix: model.gradient_checkpointing_disable"):
+        sf.functional(model, compile=True)
