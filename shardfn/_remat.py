@@ -23,7 +23,7 @@ from . import _vma
 from ._collectives import current_binding
 from ._errors import SpecError
 from ._fsdp.view import materialize
-from ._remat_state import Recompute, Trace, Tracker, check_outputs, fingerprint
+from ._remat_state import Recompute, Trace, Tracker, check_outputs, fingerprint, nested
 
 __all__ = ["remat", "tag", "Policy", "policies"]
 
@@ -452,7 +452,8 @@ def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_t
         leaves, treedef = _tree.flatten((materialize(args), materialize(kwargs)))
         slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         call = _Call(fn, policy, offload, treedef, leaves, slots)
-        outs = _Remat.apply(call, *[leaves[i] for i in slots])
+        with nested():  # opaque to a remat around it ([Note: a recompute must be its forward])
+            outs = _Remat.apply(call, *[leaves[i] for i in slots])
         if call.types is not None:  # the types the forward saw ([Note: varying axes])
             outs = tuple(_vma.tag(o, v, call.types) for o, v in zip(outs, call.out_vmas))
         return call.unflatten_outputs(outs)

@@ -5,6 +5,8 @@ Used by `_remat.py`: [Note: state in remat] and [Note: a recompute must be its f
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -13,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from . import _tree
 from ._errors import SpecError
 
-__all__ = ["Tracker", "Trace", "Recompute", "fingerprint", "check_outputs", "diverged"]
+__all__ = ["Tracker", "Trace", "Recompute", "nested", "fingerprint", "check_outputs", "diverged"]
 
 # [Note: state in remat]
 # A function can mutate tensors it did not create: BatchNorm's running statistics and
@@ -44,7 +46,10 @@ __all__ = ["Tracker", "Trace", "Recompute", "fingerprint", "check_outputs", "div
 # different computation would give wrong gradients silently (a KV cache appended to twice
 # attends over duplicated keys: the same outputs, other gradients). The check is on torch
 # calls, not aten ops, because the aten ops may legitimately differ: the recompute runs
-# under `torch.func.vjp`, where functorch implements dropout with other ops.
+# under `torch.func.vjp`, where functorch implements dropout with other ops. A remat call
+# inside a remat'd function is opaque to the outer one's modes (`nested`): its own
+# bookkeeping (and `autograd.Function.apply`, which takes another path under `torch.func`)
+# is not the outer function's computation, and it checks its own recompute.
 
 
 def storage_key(t: torch.Tensor):
@@ -128,6 +133,23 @@ class Tracker:
                 self.created.add(key)
 
 
+_depth = threading.local()  # how many sf.remat calls are running on this thread, one inside the other
+
+
+@contextlib.contextmanager
+def nested():
+    """A remat call: the modes of the calls around it do not record or check what runs inside."""
+    _depth.n = getattr(_depth, "n", 0) + 1
+    try:
+        yield
+    finally:
+        _depth.n -= 1
+
+
+def _own(mode) -> bool:
+    return getattr(_depth, "n", 0) == mode.depth
+
+
 def call_signature(out) -> tuple:
     """The shapes and dtypes of a torch function's tensor outputs (and the sizes it returns)."""
     if isinstance(out, torch.Tensor):
@@ -146,10 +168,12 @@ class Trace(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.calls: list = []
+        self.depth = getattr(_depth, "n", 0)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.calls.append((func, call_signature(out)))
+        if _own(self):
+            self.calls.append((func, call_signature(out)))
         return out
 
 
@@ -162,6 +186,7 @@ class Recompute(TorchFunctionMode):
     def __init__(self, name: str, calls: list, snapshots: dict):
         super().__init__()
         self.name, self.calls, self.index = name, calls, 0
+        self.depth = getattr(_depth, "n", 0)
         # Made here, inside the recompute's transform: writable there. Keyed by storage.
         self.scratch = {key: snap.clone() for key, (_, snap) in snapshots.items()}
 
@@ -194,6 +219,8 @@ class Recompute(TorchFunctionMode):
         out = func(*args, **kwargs)
         if swapped and isinstance(out, torch.Tensor) and id(out) in swapped:
             out = swapped[id(out)]  # `x += 1` returns x, which Python then assigns: the real tensor, not its copy
+        if not _own(self):
+            return out
         i, self.index = self.index, self.index + 1
         want = self.calls[i] if i < len(self.calls) else None
         got = (func, call_signature(out))
