@@ -355,3 +355,23 @@ def test_writing_an_argument_in_place_raises():
     with pytest.raises(sf.SpecError, match=r"(?s)writes its tensor argument #2 in place \(aten.mul_.Tensor, "
                                             r"shape \(5, 4\)\).*Fix: compute a new tensor"):
         torch.func.grad(lambda p: f(p, x).square().sum())(p)
+
+
+def test_state_read_through_another_dtype_view():
+    class Bits(torch.nn.Module):  # writes a float64 buffer, reads it through an int64 view made at init
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("value", torch.zeros(4, dtype=torch.float64))
+            self.bits = self.value.view(torch.int64)
+
+        def forward(self, x):
+            out = x * (1 + (self.bits != 0).double())  # 1 before the first write, 2 after
+            self.value.add_(1.0)
+            return out
+
+    p, x = _params(), _x()
+    module = Bits()
+    f = sf.remat(lambda p, x: module(_block(p, x)))
+    got = torch.func.grad(lambda p: f(p, x).square().sum())(p)
+    assert _maxdiff(got, torch.func.grad(lambda p: _block(p, x).square().sum())(p)) <= 1e-12  # read as before
+    assert torch.equal(module.value, torch.ones(4, dtype=torch.float64))  # written once
