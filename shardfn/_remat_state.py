@@ -70,14 +70,16 @@ def _tensors(x) -> list[torch.Tensor]:
 
 # Ops that write arguments their schema does not mark: the batch norms' running statistics
 # (arguments 3 and 4) when `training` (argument 5) is set.
-_UNMARKED_WRITES = {name: (3, 4) for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")}
+_UNMARKED_WRITES = {getattr(torch.ops.aten, name): (3, 4) for name in ("native_batch_norm", "cudnn_batch_norm",
+                                                                         "miopen_batch_norm")
+                    if hasattr(torch.ops.aten, name)}
 
 
 def written(func, args, kwargs) -> list[torch.Tensor]:
     """The tensor arguments that `func` writes: those its schema marks (`Tensor(a!)`), and
     the running statistics of a batch norm in training."""
     out = []
-    unmarked = _UNMARKED_WRITES.get(func._schema.name.split("::")[-1])
+    unmarked = _UNMARKED_WRITES.get(func.overloadpacket)
     if unmarked is not None and len(args) > 5 and args[5] is True:
         out.extend(t for i in unmarked for t in _tensors(args[i]))
     for i, arg in enumerate(func._schema.arguments):
@@ -110,7 +112,7 @@ class Tracker:
         self.snapshots: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (the tensor, its storage's values)
 
     def before(self, func, args, kwargs) -> None:
-        if not func._schema.is_mutable and func._schema.name.split("::")[-1] not in _UNMARKED_WRITES:
+        if not func._schema.is_mutable and func.overloadpacket not in _UNMARKED_WRITES:
             return
         for t in written(func, args, kwargs):
             key = storage_key(t)
