@@ -35,6 +35,7 @@ from ._compile import CompiledForward, OnRequest, compile_context, compile_optio
 from ._errors import SpecError
 from ._fsdp.view import together
 from ._init.buffers import fill_meta_buffers
+from ._remat_modules import checkpointing, takes_use_cache, turn_off_checkpointing, without_cache
 
 __all__ = ["functional"]
 
@@ -78,6 +79,12 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
       remat: a policy from `sf.remat_policies` (or True for `nothing_saveable`): each child
         of the first `ModuleList` / `Sequential` (the blocks, shard's default units) runs
         under `sf.remat` with it, so its activations are recomputed in the backward.
+        transformers models then run with `use_cache=False` while gradients are recorded,
+        as under Hugging Face's gradient checkpointing ([Note: transformers under remat]);
+        a model on which `gradient_checkpointing_enable()` was called gets `remat=True`
+        (HF's `torch.utils.checkpoint` is turned off on shardfn's copies, not on `module`).
+        Modules that write buffers (BatchNorm) update them once per forward, as without
+        remat. docs/howto/remat.md has the details.
       compile: True, or a dict of `torch.compile` keyword arguments (`{"mode":
         "max-autotune", "fullgraph": True}`): the forward of each of those blocks is
         compiled, one graph per block (blocks of one class share it, across rank threads
@@ -94,6 +101,10 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
       `apply_fn(params, *args, **kwargs)` calling the module's forward with those
       parameters, and `params`, a nested dict of detached parameter tensors following the
       module tree (lists for `ModuleList` / `Sequential`). Tied parameters appear once.
+
+    Raises:
+      SpecError: remat= (or HF gradient checkpointing) with compile=; from `apply_fn`,
+        `use_cache=True` passed with remat while gradients are recorded.
 
     Example:
       >>> import shardfn as sf, torch
@@ -112,6 +123,14 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
       torch.Size([5, 2])
     """
     options = compile_options(compile)
+    checkpointed = checkpointing(module)  # model.gradient_checkpointing_enable(): blocks under sf.remat instead
+    if options is not None and checkpointed:
+        raise SpecError(
+            f"sf.functional: compile= on a model with Hugging Face gradient checkpointing on (e.g. "
+            f"{checkpointed[0]!r}): shardfn would recompute the blocks with sf.remat, which does not run "
+            f"compiled code.\nFix: model.gradient_checkpointing_disable() before sf.functional(model, compile=...), "
+            f"or keep the checkpointing and drop compile= (sf.functional(model, remat=True))."
+        )
     if options is not None and remat is not None and remat is not False:
         raise SpecError(
             "sf.functional: remat= and compile= together would run the blocks eagerly: sf.remat recomputes a "
@@ -119,10 +138,13 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
             "recompute inside the compiled block with torch.utils.checkpoint.checkpoint(..., use_reentrant=False) "
             "in its forward (torch.compile recomputes it in its backward graph), or keep remat= without compile=."
         )
-    if remat is True:
+    if remat is True or (checkpointed and (remat is None or remat is False)):
         from ._remat import policies
 
         remat = policies.nothing_saveable
+    if remat is False:
+        remat = None
+    no_cache = remat is not None and takes_use_cache(module)  # [Note: transformers under remat]
     leaves: list[tuple[tuple, str]] = []
     children: dict[tuple, str] = {}
     params = _walk(module, (), "", set(), leaves, children)
@@ -162,16 +184,20 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
             copy_ = _meta_copy(module)
             if meta_buffers:  # [Note: computed buffers] in shardfn/_init/buffers.py
                 fill_meta_buffers(copy_, device)
+            turn_off_checkpointing(copy_)  # HF's torch.utils.checkpoint: replaced by sf.remat on the blocks
             local.module = copy_
             for name, ctx in recompile.items():  # inside a block, or around the blocks
                 m = copy_.get_submodule(name)
                 m._compiled_call_impl = ctx(m._call_impl)
             for child_name, paths in units.values():
-                _bind_child(copy_.get_submodule(child_name), paths, local, remat, unit_compilers.get(child_name))
+                _bind_child(copy_.get_submodule(child_name), paths, local, remat, unit_compilers.get(child_name),
+                            child_name)
         return copy_
 
     @not_traced(_APPLY_EAGER, warn=True)  # [Note: no whole-step graph] in _compile.py
     def apply_fn(params, *args, **kwargs):
+        if no_cache:
+            kwargs = without_cache(kwargs, module)
         with together(held=True):  # bound for the whole forward (embeddings, a tied head)
             bound = {name: _get(params, p) for p, name in root}
         m = thread_module(_device_of(bound, args, kwargs) if meta_buffers else None)
@@ -211,7 +237,7 @@ def _torch_compile(options: dict) -> Callable:
     return lambda fn: torch.compile(fn, **options)
 
 
-def _bind_child(child: nn.Module, paths, local, remat=None, compiler=None) -> None:
+def _bind_child(child: nn.Module, paths, local, remat=None, compiler=None, name: str = "") -> None:
     original = child.forward
     if _is_optimized(child):  # torch.compile(block): its forward is compiled already
         original = CompiledForward(original, child._orig_mod.__call__)
@@ -232,6 +258,7 @@ def _bind_child(child: nn.Module, paths, local, remat=None, compiler=None) -> No
     if remat is not None:
         from ._remat import remat as rematerialize
 
+        run.__qualname__ = f"block {name!r} ({type(child).__name__})"  # how sf.remat's errors name it
         run = rematerialize(run, policy=remat)
 
     @not_traced(_BLOCK_EAGER)  # a compiled module around the blocks: a graph break here

@@ -23,6 +23,7 @@ from . import _vma
 from ._collectives import current_binding
 from ._errors import SpecError
 from ._fsdp.view import materialize
+from ._remat_state import Recompute, Trace, Tracker, check_outputs, fingerprint, nested
 
 __all__ = ["remat", "tag", "Policy", "policies"]
 
@@ -47,8 +48,11 @@ __all__ = ["remat", "tag", "Policy", "policies"]
 # running them; autograd, above the mode, still records the op, so the graph is the same
 # and its backward is exact. Only ops that neither mutate nor alias are kept, and a kept
 # output that was modified in place later in the forward is dropped. Should the recompute's
-# op sequence differ from the forward's, replay stops and the rest is computed (correct,
-# only slower). This is the mechanism of PyTorch's selective activation checkpointing.
+# aten op sequence differ from the forward's (a recompute runs under `torch.func.vjp`,
+# where functorch implements dropout with other ops), replay stops and the rest is
+# computed. That the recompute is the forward again is checked a level up, on the torch
+# calls ([Note: a recompute must be its forward] in _remat_state.py). This is the
+# mechanism of PyTorch's selective activation checkpointing.
 
 # [Note: randomness in remat]
 # The recompute must draw the same random numbers as the forward (dropout). remat records
@@ -104,7 +108,8 @@ def tag(x: torch.Tensor, name: str) -> torch.Tensor:
         raise SpecError(f"sf.tag(x, name): name must be a string, got {name!r}")
     recorder = getattr(_local, "recorder", None)
     if recorder is not None and isinstance(x, torch.Tensor):
-        recorder.tagged(x, name)
+        with torch._C.DisableTorchFunction():  # bookkeeping, not calls of fn's ([Note: a recompute must be its forward])
+            recorder.tagged(x, name)
     return x
 
 
@@ -127,9 +132,10 @@ def _cacheable(func) -> bool:
 class _Record(TorchDispatchMode):
     """Forward: number the ops, keep the outputs the policy saves. [Note: saving by the policy]"""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, tracker: Tracker):
         super().__init__()
         self.policy = policy
+        self.tracker = tracker  # state the forward writes ([Note: state in remat])
         self.index = 0
         self.names: list = []  # per op: its overload, in order
         self.kept: dict[int, tuple[Any, list[int]]] = {}  # op index -> (outputs, their versions)
@@ -137,7 +143,10 @@ class _Record(TorchDispatchMode):
         self.tags: dict[int, str] = {}  # op index -> tag name
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        self.tracker.before(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self.tracker.after(func, out)
         i, self.index = self.index, self.index + 1
         self.names.append(func)
         if _cacheable(func):
@@ -197,6 +206,7 @@ class _Call:
 
     def __init__(self, fn, policy, offload_to, treedef, leaves, slots):
         self.fn, self.policy, self.offload_to = fn, policy, offload_to
+        self.name = _name(fn)
         self.treedef, self.leaves, self.slots = treedef, leaves, slots  # slots: positions of tensor leaves
         self.binding = current_binding()
         self.types = _vma.current()  # a typed shard_map body: its inputs' types, for the recompute
@@ -206,9 +216,12 @@ class _Call:
         self.out_static: list = []  # non-tensor outputs, by position
         self.out_slots: list[int] = []
         self.names: list = []
+        self.calls: list = []  # the forward's torch calls and their outputs' signatures
         self.kept: dict[int, Any] = {}
         self.devices: dict[int, torch.device] = {}  # kept op index -> device before offload
         self.rng: dict = {}
+        self.snapshots: dict = {}  # state the forward wrote: storage -> (tensor, value before) [Note: state in remat]
+        self.prints: list | None = None  # the forward's outputs, summed [Note: a recompute must be its forward]
 
     def call(self, tensors):
         leaves = list(self.leaves)
@@ -217,14 +230,21 @@ class _Call:
         args, kwargs = _tree.unflatten(self.treedef, leaves)
         return self.fn(*args, **kwargs)
 
-    def rerun(self, inputs, wrt: list[int]):
+    def rerun(self, inputs, wrt: list[int], replay=None):
         """`fn` again as a function of the inputs at positions `wrt` (the others fixed), with
-        flat tensor outputs: what the backward and jvp differentiate."""
+        flat tensor outputs: what the backward and jvp differentiate. It must make the
+        forward's torch calls ([Note: a recompute must be its forward]) and sees the state
+        the forward wrote as it was before the forward ([Note: state in remat]); `replay`, a
+        `_Replay`, hands back the values the policy kept."""
         def run(*diff):
             full = list(inputs)
             for i, t in zip(wrt, diff):
                 full[i] = t
-            return self.flat_outputs(self.call(full))
+            recompute = Recompute(self.name, self.calls, self.snapshots)  # its scratch copies: not replayed ops
+            with recompute, replay if replay is not None else contextlib.nullcontext():
+                out = self.call(full)
+            recompute.finish()
+            return self.flat_outputs(out)
 
         return run
 
@@ -288,19 +308,24 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(call: _Call, *tensors):
         call.save_rng(tensors)
-        recorder = _Record(call.policy)
+        recorder = _Record(call.policy, Tracker(call.name, [_plain(t) for t in tensors]))
+        trace = Trace()
         previous = getattr(_local, "recorder", None)
         _local.recorder = recorder
         try:
-            with torch.no_grad(), recorder:
+            with torch.no_grad(), trace, recorder:
                 out = call.call(tensors)
         finally:
             _local.recorder = previous
+        call.calls = trace.calls
         call.names, call.kept = recorder.names, recorder.finish()
+        call.snapshots = recorder.tracker.snapshots
         if call.offload_to is not None:
             with torch._C._DisableFuncTorch(), torch.no_grad():
                 call.kept = {i: _tree.tree_map(lambda t: _offload(t, call, i), out) for i, out in call.kept.items()}
-        return call.flat_outputs(out)
+        flat = call.flat_outputs(out)
+        call.prints = fingerprint(flat)
+        return flat
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -314,13 +339,15 @@ class _Remat(torch.autograd.Function):
         inputs = ctx.saved_tensors
         needed = ctx.needs_input_grad[1:]  # differentiate only what the caller asks for
         wrt = [i for i, t in enumerate(inputs) if needed[i] and (t.is_floating_point() or t.is_complex())]
-        rerun = call.rerun(inputs, wrt)
         kept = call.kept
         if call.offload_to is not None:  # back where they were made (plain: replay hands out plain tensors)
             with torch._C._DisableFuncTorch(), torch.no_grad():
                 kept = {i: _tree.tree_map(lambda t: _move(t, call.devices.get(i)), out) for i, out in kept.items()}
-        with call.replaying_rng(), call.binding or contextlib.nullcontext(), _Replay(call.names, kept):
-            _, pullback = torch.func.vjp(rerun, *[inputs[i] for i in wrt])
+        replay = _Replay(call.names, kept)
+        rerun = call.rerun(inputs, wrt, replay)
+        with call.replaying_rng(), call.binding or contextlib.nullcontext():
+            outs, pullback = torch.func.vjp(rerun, *[inputs[i] for i in wrt])
+        check_outputs(call.name, call.prints, outs)
         partial = pullback(tuple(grads))
         out = [None] * len(inputs)
         for i, g in zip(wrt, partial):
@@ -336,8 +363,15 @@ class _Remat(torch.autograd.Function):
         primals = [inputs[i] for i in wrt]
         tans = [tangents[i] if tangents[i] is not None else torch.zeros_like(inputs[i]) for i in wrt]
         with call.replaying_rng(), call.binding or contextlib.nullcontext():
-            _, out = torch.func.jvp(rerun, tuple(primals), tuple(tans))
+            outs, out = torch.func.jvp(rerun, tuple(primals), tuple(tans))
+        check_outputs(call.name, call.prints, outs)
         return out
+
+
+def _name(fn) -> str:
+    """How errors name a remat'd function."""
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return name if name.startswith("block ") else f"function {name!r}"
 
 
 def _offload(t, call: _Call, i: int):
@@ -362,6 +396,14 @@ def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_t
     `step.grad_and_value`, and inside `sf.shard`'s `loss_fn`, where a block's gathered
     parameters are re-gathered by shard's own schedule for the recompute.
 
+    State: tensors `fn` writes without having created them (BatchNorm's running
+    statistics, a static cache) are written once, by the forward; the recompute reads and
+    writes scratch copies of their values from before the forward ([Note: state in
+    remat]). State remat cannot copy (a transformers `DynamicCache`, a Python counter or
+    list) must leave the recompute's torch calls, their result shapes and its outputs
+    those of the forward, or a SpecError is raised ([Note: a recompute must be its
+    forward]): remat never differentiates another computation silently.
+
     Args:
       fn: a function of tensors and other values (non-tensors are held as constants);
         returns a tensor or a pytree of them. Inside `sf.shard`, pass it the block's own
@@ -375,6 +417,12 @@ def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_t
 
     Returns:
       A function with `fn`'s signature.
+
+    Raises:
+      SpecError: for a bad `policy` / `offload_to`; in the forward, when `fn` writes one of
+        its own tensor arguments in place; in the backward, when the recompute is not the
+        forward again (state changed by the forward: a KV cache appended to, a counter),
+        naming the function, the first differing call and the fix.
 
     Example:
       >>> import torch, shardfn as sf
@@ -404,7 +452,8 @@ def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_t
         leaves, treedef = _tree.flatten((materialize(args), materialize(kwargs)))
         slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         call = _Call(fn, policy, offload, treedef, leaves, slots)
-        outs = _Remat.apply(call, *[leaves[i] for i in slots])
+        with nested():  # opaque to a remat around it ([Note: a recompute must be its forward])
+            outs = _Remat.apply(call, *[leaves[i] for i in slots])
         if call.types is not None:  # the types the forward saw ([Note: varying axes])
             outs = tuple(_vma.tag(o, v, call.types) for o, v in zip(outs, call.out_vmas))
         return call.unflatten_outputs(outs)

@@ -232,3 +232,146 @@ def test_errors_name_the_fix():
         P.save_only_these_names()
     with pytest.raises(sf.SpecError, match="must be callable"):
         sf.remat(3)
+
+
+# -- state: modules that change something in their forward ------------------------------
+
+
+class _LaggedCenter(torch.nn.Module):
+    """Centers its input by a running mean it reads before updating it (a buffer written
+    in place), so its output depends on the state the forward started from."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(d, dtype=torch.float64))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        out = x - self.mean
+        self.mean.mul_(0.5).add_(0.5 * x.detach().mean(0))
+        self.calls += 1
+        return out
+
+
+def _stateful_model():
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), _LaggedCenter(6), nn.Tanh(), nn.Linear(6, 3),
+                         nn.BatchNorm1d(3)).double()
+
+
+@pytest.mark.parametrize("how", ["func", "backward"])
+def test_state_written_in_the_forward_is_written_once_and_read_as_before(how):
+    plain, rematted = _stateful_model(), _stateful_model()
+    p = {k: v.detach() for k, v in plain.named_parameters()}
+    xs = [torch.randn(8, 4, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in range(3)]
+
+    def plain_grads(x):  # the reference: plain autograd (torch.func refuses writes to a module's buffers)
+        leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+        torch.func.functional_call(plain, leaves, (x,)).square().sum().backward()
+        return {k: v.grad for k, v in leaves.items()}
+
+    block = sf.remat(lambda p, x: torch.func.functional_call(rematted, p, (x,)))
+
+    def remat_grads(x):
+        if how == "func":
+            return torch.func.grad(lambda p: block(p, x).square().sum())(p)
+        leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+        block(leaves, x).square().sum().backward()
+        return {k: v.grad for k, v in leaves.items()}
+
+    for x in xs:  # three steps: each recompute must start from the state its forward saw
+        assert _maxdiff(remat_grads(x), plain_grads(x)) <= 1e-12
+        for (name, got), (_, want) in zip(rematted.named_buffers(), plain.named_buffers()):
+            assert torch.equal(got, want), name  # running_mean/var, num_batches_tracked, mean, calls: once per forward
+    assert int(rematted[1].num_batches_tracked) == 3 and int(rematted[2].calls) == 3
+
+
+def test_state_inside_shard_and_functional():
+    # sf.functional(remat=True) on blocks with BatchNorm, inside sf.shard: the same gradients
+    # as without remat, step after step (the per-thread copies carry the running statistics).
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), _LaggedCenter(6), nn.Tanh())
+                            for _ in range(3)]).double()
+    x = torch.randn(3, 8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def run(remat):
+        apply_fn, params = sf.functional(model, remat=remat)
+        mesh = sf.local_mesh({"data": 2})
+        step = sf.shard(lambda p, x: apply_fn(p, x).square().mean(), mesh)
+
+        def body():
+            shards = step.shard_params(params)
+            return [step.unshard_params(step.grad_and_value(shards, xi.chunk(2)[mesh.rank])[0]) for xi in x]
+
+        return mesh.run(body)
+
+    assert _maxdiff(run(True), run(None)) <= 1e-12
+
+
+class _History(torch.nn.Module):
+    """Keeps what it saw in a Python list and uses all of it: state remat cannot replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list = []
+
+    def forward(self, x):
+        self.seen.append(x.detach())
+        return x * torch.cat(self.seen).mean()
+
+
+class _Counter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * self.calls
+
+
+def test_state_remat_cannot_replay_raises():
+    p, x = _params(), _x()
+    history = _History()
+    f = sf.remat(lambda p, x: history(_block(p, x)))
+    with pytest.raises(sf.SpecError, match=r"(?s)recompute of function .*<lambda>' in the backward is not its "
+                                            r"forward: at torch call #\d+ the forward called torch.cat -> \(5, 4\) "
+                                            r"float64, the recompute torch.cat -> \(10, 4\) float64.*KV cache.*"
+                                            r"Fix: for transformers models do not pass use_cache=True.*keep the "
+                                            r"state out of the remat'd function"):
+        torch.func.grad(lambda p: f(p, x).square().sum())(p)
+    counter = _Counter()
+    f = sf.remat(lambda p, x: counter(_block(p, x)))
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+    with pytest.raises(sf.SpecError, match=r"(?s)gave output #0 another value than its forward.*Python counter"):
+        f(leaves, x).square().sum().backward()
+
+
+def test_writing_an_argument_in_place_raises():
+    p, x = _params(), _x()
+    f = sf.remat(lambda p, x: _block(p, x.mul_(2)))
+    with pytest.raises(sf.SpecError, match=r"(?s)writes its tensor argument #2 in place \(aten.mul_.Tensor, "
+                                            r"shape \(5, 4\)\).*Fix: compute a new tensor"):
+        torch.func.grad(lambda p: f(p, x).square().sum())(p)
+
+
+def test_state_read_through_another_dtype_view():
+    class Bits(torch.nn.Module):  # writes a float64 buffer, reads it through an int64 view made at init
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("value", torch.zeros(4, dtype=torch.float64))
+            self.bits = self.value.view(torch.int64)
+
+        def forward(self, x):
+            out = x * (1 + (self.bits != 0).double())  # 1 before the first write, 2 after
+            self.value.add_(1.0)
+            return out
+
+    p, x = _params(), _x()
+    module = Bits()
+    f = sf.remat(lambda p, x: module(_block(p, x)))
+    got = torch.func.grad(lambda p: f(p, x).square().sum())(p)
+    assert _maxdiff(got, torch.func.grad(lambda p: _block(p, x).square().sum())(p)) <= 1e-12  # read as before
+    assert torch.equal(module.value, torch.ones(4, dtype=torch.float64))  # written once

@@ -18,6 +18,7 @@ from .._compile import WHOLE_STEP, not_traced
 from .._agree import check_same_everywhere
 from .._collectives import binding, bound_mesh
 from .._errors import ShardingError, SpecError
+from .._remat_modules import checkpoint_error
 from .._blocks import slice_block
 from .._spec import chunk_bounds
 from . import tp
@@ -187,6 +188,8 @@ class Shard:
         try:
             grads, out = eager_grad_and_value(self, shards, batch, *rest, has_aux=self.config.has_aux)
             done = True
+        except RuntimeError as e:  # torch.utils.checkpoint in loss_fn: point to sf.remat
+            raise (checkpoint_error(e, "shard: step.grad_and_value") or e) from e
         finally:
             state.mode = StepMode.EAGER
             state.finish_deferred(complete=done)
@@ -318,6 +321,8 @@ class Shard:
             manual = self.config.data_axes + plan.tp_axes  # the other axes are auto in loss_fn
             with binding(mesh, tp.collective_axes_check(self.config.data_axes, plan.tp_axes), manual):
                 out = self.loss_fn(view, batch, *rest)
+        except RuntimeError as e:  # torch.utils.checkpoint in loss_fn: point to sf.remat
+            raise (checkpoint_error(e, "shard: loss_fn") or e) from e
         finally:
             state.end_forward()
         loss, aux = (out if self.config.has_aux else (out, None))
