@@ -4,44 +4,21 @@
 shapes (`like`), and `apply_fn` takes the parameters from the tree, but the forward
 uses the module's buffers as they are: the rotary `inv_freq`, computed in `__init__`.
 Built under `torch.device("meta")`, those are meta tensors with no values, and the
-forward fails ("Cannot copy out of meta tensor"). So the model is built on the CPU
-with `nn.Module.register_parameter` patched to move each new parameter to the meta
-device as it is registered (accelerate's `init_empty_weights(include_buffers=False)`):
-buffers are computed by the model's own code, each parameter exists for one moment
-(one tensor's memory, never the model's), and the random init then runs on meta, a no-op.
-The patch is process-wide while it lasts: build models in one thread (before `mesh.run`).
+forward would fail ("Cannot copy out of meta tensor"). So the model is built on the
+meta device (no parameter ever takes memory) and its buffers are then computed by the
+model's own `_init_weights` rules (`sf.init.materialize_buffers`, [Note: computed
+buffers]); a buffer those rules do not compute is a clear error naming it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 
 import torch
-from torch import nn
 
-__all__ = ["empty_model", "parameters_on_meta"]
+from .._init.buffers import materialize_buffers
 
-_PATCH = threading.Lock()  # one patch at a time: two threads' patches must not interleave
-
-
-@contextlib.contextmanager
-def parameters_on_meta():
-    """Within: every parameter a module registers is moved to the meta device; buffers stay."""
-    with _PATCH:
-        register = nn.Module.register_parameter
-
-        def on_meta(module, name, param):
-            register(module, name, param)
-            if param is not None and param.device.type != "meta":
-                module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-        nn.Module.register_parameter = on_meta
-        try:
-            yield
-        finally:
-            nn.Module.register_parameter = register
+__all__ = ["empty_model"]
 
 
 def empty_model(config, model_class=None, *, dtype: torch.dtype | None = None):
@@ -75,7 +52,9 @@ def empty_model(config, model_class=None, *, dtype: torch.dtype | None = None):
         config = transformers.AutoConfig.from_pretrained(os.fspath(config))
     model_class = model_class or transformers.AutoModelForCausalLM
     kwargs = {} if dtype is None else {"dtype": dtype}
-    with parameters_on_meta():
-        if isinstance(model_class, type) and issubclass(model_class, nn.Module):
-            return model_class._from_config(config, **kwargs)  # a PreTrainedModel class
-        return model_class.from_config(config, **kwargs)  # an auto class
+    with torch.device("meta"):
+        if isinstance(model_class, type) and issubclass(model_class, torch.nn.Module):
+            model = model_class._from_config(config, **kwargs)  # a PreTrainedModel class
+        else:
+            model = model_class.from_config(config, **kwargs)  # an auto class
+    return materialize_buffers(model)
