@@ -65,6 +65,14 @@ def make_config(loss_fn, mesh, *, data_axes, shard_axes, units, reshard_after_fo
             dtype = getattr(mixed_precision, field)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise SpecError(f"shard: MixedPrecision.{field} must be a floating torch.dtype or None, got {dtype!r:.60}")
+    if isinstance(loss_fn, torch.nn.Module):
+        raise SpecError(
+            f"shard: sf.shard takes a loss function of explicit parameters, loss_fn(params, batch) -> scalar, "
+            f"not an nn.Module (got a {type(loss_fn).__name__}): a module's forward takes the batch, not the "
+            f"parameters, and returns its output, not a loss.\nFix: apply_fn, params = sf.functional(model); "
+            f"loss_fn = lambda p, b: loss(apply_fn(p, b), b) (e.g. lambda p, b: apply_fn(p, b, labels=b).loss "
+            f"for a transformers causal LM); step = sf.shard(loss_fn, mesh); shards = step.shard_params(params)."
+        )
     if not callable(loss_fn):
         raise SpecError(f"shard: loss_fn must be callable, got {loss_fn!r:.60}")
     if param_specs is not None and not (callable(param_specs) or isinstance(param_specs, (PartitionSpec, dict, list, tuple))):
