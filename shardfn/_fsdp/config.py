@@ -9,6 +9,7 @@ import torch
 
 from .._errors import SpecError
 from .._spec import PartitionSpec
+from .batch import check_weighting
 
 __all__ = ["MixedPrecision", "Config", "make_config", "resolve_reshard"]
 
@@ -38,10 +39,11 @@ class Config:
     frozen: Callable[[tuple], bool] | None
     check_finite: bool
     param_specs: Any = None  # spec tree (prefix of params) or `path -> spec`, over non-data axes
+    batch_weighting: str = "equal"  # how unequal local batches weigh in the loss mean (batch.py)
 
 
 def make_config(loss_fn, mesh, *, data_axes, shard_axes, units, reshard_after_forward, prefetch, mixed_precision,
-                has_aux, replicated, frozen, check_finite, param_specs) -> Config:
+                has_aux, replicated, frozen, check_finite, param_specs, batch_weighting="equal") -> Config:
     """`shard`'s arguments, checked (a SpecError naming the argument and the fix)."""
     data = mesh.axes(data_axes, where="shard(data_axes=...)")
     sharded = data if shard_axes is None else mesh.axes(shard_axes, where="shard(shard_axes=...)")
@@ -79,7 +81,7 @@ def make_config(loss_fn, mesh, *, data_axes, shard_axes, units, reshard_after_fo
         raise SpecError(f"shard: param_specs must be a tree of sf.P(...) (a prefix of params) or a function of a key "
                         f"path, got {param_specs!r:.60}")
     return Config(data, sharded, units, reshard, reshard_axes, prefetch, mixed_precision, has_aux, replicated,
-                  frozen, bool(check_finite), param_specs)
+                  frozen, bool(check_finite), param_specs, check_weighting(batch_weighting))
 
 
 def resolve_reshard(value, mesh, shard_axes: tuple[str, ...]) -> tuple[bool, tuple[str, ...] | None]:
