@@ -111,7 +111,7 @@ def reduce_loss(loss: torch.Tensor, n: int, weighting: str, group, stats) -> tup
             return (sums / size).to(loss.dtype).reshape(loss.shape), None
         raise ShardingError(_unequal(group, n, value.device))
     if unknown or sum_n == 0:
-        raise ShardingError(_unweighable(group, n, value.device, sum_n))
+        raise ShardingError(_unweighable(group, n, value.device, unknown))
     weight = None if equal else max(n, 0) / sum_n
     return (sums / sum_n).to(loss.dtype).reshape(loss.shape), weight
 
@@ -139,8 +139,11 @@ def _unequal(group, n: int, device) -> str:
     )
 
 
-def _unweighable(group, n: int, device, sum_n: int) -> str:
-    why = "every rank's batch is empty" if sum_n == 0 else "some ranks do not know their batch size"
+def _unweighable(group, n: int, device, unknown: int) -> str:
+    if unknown:
+        why = "no rank knows its batch size" if unknown == group.size else "some ranks do not know their batch size"
+    else:
+        why = "every rank's batch is empty"
     return (
         f"shard(batch_weighting='global_mean'): {why} ({_sizes(group, n, device)}; {_SIZE}), so the ranks' "
         f"losses cannot be weighted by their batch sizes.\nFix: give the batch tensor leaves one leading "

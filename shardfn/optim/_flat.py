@@ -25,7 +25,7 @@ import optree
 import torch
 
 from .. import _tree
-from .._errors import ShardingError, bullet_list
+from .._errors import SpecError, bullet_list
 
 def leaves_like(
     treedef: optree.PyTreeSpec, tree: Any, name: str, who: str, ref: str = "the updates",
@@ -39,7 +39,7 @@ def leaves_like(
 
     Raises:
         ValueError: naming ``who``, the argument ``name`` and the first differing key path.
-        ShardingError: a leaf whose shape differs from ``ref``'s ([Note: state of the full
+        SpecError: a leaf whose shape differs from ``ref``'s ([Note: state of the full
             params]).
     """
     leaves, other = _tree.flatten(tree)
@@ -49,7 +49,7 @@ def leaves_like(
         bad = [i for i, (a, b) in enumerate(zip(leaves, shapes_of))
                if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape]
         if bad:
-            raise ShardingError(_shape_error(treedef, bad, leaves, shapes_of, ref, name, who))
+            raise SpecError(_shape_error(treedef, bad, leaves, shapes_of, ref, name, who))
     return leaves
 
 
