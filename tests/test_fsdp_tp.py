@@ -194,7 +194,7 @@ def test_stats_count_the_tensor_parallel_psum_of_replicated_leaves():
     psummed = [3 + 3] * 2 + [9]  # this rank's chunks of b2 and scale per layer, and of head (3, 3)
     check = [4]  # the first call's loss replication check: 2 fingerprints and their negations
     assert over_model == sorted(activations + psummed + check)
-    assert [n for op, axes, n in sent_ if op == "all_reduce" and axes == ("data",)] == [1]  # the loss
+    assert [n for op, axes, n in sent_ if op == "all_reduce" and axes == ("data",)] == [4]  # [loss, n, n*n, unknown]
     # stats() counts shard's own collectives: all of the above but loss_fn's psums.
     wire = totals(records)
     wire["all_reduce_bytes"] -= 8 * sum(activations)
