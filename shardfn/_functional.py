@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import sys
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Callable
 
 import torch
@@ -66,17 +67,23 @@ def _get(tree, path):
     """The leaf of `tree` at `path`; a SpecError naming the path if the tree has none there."""
     node = tree
     for depth, key in enumerate(path):
-        try:
-            node = node[key]
-        except (KeyError, IndexError, TypeError):
-            raise SpecError(_not_this_model(tree, path, depth, node)) from None
+        if not _has(node, key):
+            raise SpecError(_not_this_model(tree, path, depth, node))
+        node = node[key]
     return node
+
+
+def _has(node, key) -> bool:
+    """`node[key]` exists (checked before indexing: indexing a params view gathers leaves)."""
+    if isinstance(node, Mapping):
+        return key in node
+    if isinstance(node, Sequence) and not isinstance(node, str):
+        return isinstance(key, int) and -len(node) <= key < len(node)
+    return False
 
 
 def _not_this_model(tree, path: tuple, depth: int, node) -> str:
     """The message of `_get` when `tree` has no entry `path[depth]` (another model's params)."""
-    from collections.abc import Mapping, Sequence
-
     if isinstance(node, Mapping):
         has = f"a dict with keys [{', '.join(sorted(map(repr, node)))}]"
     elif isinstance(node, Sequence) and not isinstance(node, str):
