@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from ._backend import ops
-from ._errors import SpecError
+from ._errors import SpecError, bullet_list
 from ._spec import PartitionSpec, as_spec, chunk_bounds, chunk_size, entry_axes, local_block, validate_spec
 
-__all__ = ["slice_block", "gather_blocks", "check_tensor", "checked_spec"]
+__all__ = ["slice_block", "gather_blocks", "check_tensor", "checked_spec", "check_no_empty_blocks"]
 
 
 def slice_block(x: torch.Tensor, spec: PartitionSpec, mesh, offset: int = 0) -> torch.Tensor:
@@ -64,3 +64,34 @@ def checked_spec(x: torch.Tensor, mesh, spec, where: str, communicates: bool = T
     spec = as_spec(spec)
     validate_spec(spec, tuple(x.shape), mesh.shape, where)
     return spec
+
+
+def check_no_empty_blocks(shape: tuple[int, ...], spec: PartitionSpec, mesh_shape, where: str) -> None:
+    """SpecError if splitting `shape` by `spec` leaves some ranks zero rows of a dim while
+    others hold rows (torch.chunk: 6 rows over 4 ranks are 2, 2, 2, 0). The answer depends
+    only on the global shape, so every rank raises it, or none."""
+    problems, fixes = [], []
+    for dim, entry in enumerate(spec):
+        axes = entry_axes(entry)
+        if not axes or dim >= len(shape) or shape[dim] == 0:
+            continue
+        n, k = shape[dim], 1
+        for axis in axes:
+            k *= mesh_shape[axis]
+        rows = [chunk_bounds(n, k, i)[1] - chunk_bounds(n, k, i)[0] for i in range(k)]
+        if 0 in rows:
+            named = " x ".join(f"{a!r} (size {mesh_shape[a]})" for a in axes)
+            empty = rows.count(0)
+            problems.append(
+                f"dim {dim} (size {n}) over {named}: torch.chunk blocks of ceil({n} / {k}) = {chunk_size(n, k)} "
+                f"rows give the {k} ranks {rows} rows; the last {empty} get none"
+            )
+            multiple = -(-n // k) * k
+            fixes.append(f"dim {dim}: a size divisible by {k} (pad to {multiple}, or drop to {n // k * k})")
+    if problems:
+        raise SpecError(
+            f"{where}: splitting a tensor of shape {tuple(shape)} by {spec!r} leaves some ranks empty blocks "
+            f"while others hold rows:\n{bullet_list(problems)}\nAn empty block is an empty batch on that rank "
+            f"(a NaN mean loss; under sf.shard an unequal batch).\nFix: {'; '.join(fixes)}; or pass "
+            f"allow_empty=True to keep torch.chunk's layout with its empty blocks."
+        )

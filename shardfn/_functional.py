@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import sys
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Callable
 
 import torch
@@ -33,6 +34,7 @@ from torch import nn
 
 from ._compile import CompiledForward, OnRequest, compile_context, compile_options, not_traced
 from ._errors import SpecError
+from ._tree import keystr
 from ._fsdp.view import together
 from ._init.buffers import fill_meta_buffers
 from ._remat_modules import checkpointing, takes_use_cache, turn_off_checkpointing, without_cache
@@ -66,9 +68,39 @@ def _walk(module: nn.Module, path: tuple, name: str, seen: set[int], leaves: lis
 
 
 def _get(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
+    """The leaf of `tree` at `path`; a SpecError naming the path if the tree has none there."""
+    node = tree
+    for depth, key in enumerate(path):
+        if not _has(node, key):
+            raise SpecError(_not_this_model(tree, path, depth, node))
+        node = node[key]
+    return node
+
+
+def _has(node, key) -> bool:
+    """`node[key]` exists (checked before indexing: indexing a params view gathers leaves)."""
+    if isinstance(node, Mapping):
+        return key in node
+    if isinstance(node, Sequence) and not isinstance(node, str):
+        return isinstance(key, int) and -len(node) <= key < len(node)
+    return False
+
+
+def _not_this_model(tree, path: tuple, depth: int, node) -> str:
+    """The message of `_get` when `tree` has no entry `path[depth]` (another model's params)."""
+    if isinstance(node, Mapping):
+        has = f"a dict with keys [{', '.join(sorted(map(repr, node)))}]"
+    elif isinstance(node, Sequence) and not isinstance(node, str):
+        has = f"a list of length {len(node)}"
+    else:
+        has = f"a {type(node).__name__}"
+    top = f" (top level: [{', '.join(sorted(map(repr, tree)))}])" if depth and isinstance(tree, Mapping) else ""
+    return (
+        f"sf.functional: apply_fn needs params{keystr(path)}, but the params it was given have no "
+        f"{path[depth]!r} at params{keystr(path[:depth])}: there they have {has}. These look like the params "
+        f"of another model{top}.\nFix: pass the params that sf.functional(this model) returned "
+        f"(apply_fn, params = sf.functional(model)), or step.shard_params(params) of them, to this apply_fn."
+    )
 
 
 def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable, dict]:
@@ -103,8 +135,10 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
       module tree (lists for `ModuleList` / `Sequential`). Tied parameters appear once.
 
     Raises:
-      SpecError: remat= (or HF gradient checkpointing) with compile=; from `apply_fn`,
-        `use_cache=True` passed with remat while gradients are recorded.
+      SpecError: `module` is not an `nn.Module`; `remat=` (or Hugging Face gradient
+        checkpointing) with `compile=`. `apply_fn` raises a SpecError naming the key path
+        when its params lack one of the model's leaves (the params of another model), and
+        when `use_cache=True` is passed with remat while gradients are recorded.
 
     Example:
       >>> import shardfn as sf, torch
@@ -122,6 +156,8 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
       >>> apply_fn(params, torch.ones(5, 3)).shape
       torch.Size([5, 2])
     """
+    if not isinstance(module, nn.Module):
+        raise SpecError(_not_a_module(module))
     options = compile_options(compile)
     checkpointed = checkpointing(module)  # model.gradient_checkpointing_enable(): blocks under sf.remat instead
     if options is not None and checkpointed:
@@ -209,6 +245,18 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
             local.params = previous
 
     return apply_fn, params
+
+
+def _not_a_module(value) -> str:
+    """The message of `functional` given something that is not an nn.Module."""
+    name = getattr(value, "__name__", None)
+    what = f"{type(value).__name__} {name}" if name else f"{type(value).__name__} {value!r:.60}"
+    return (
+        f"sf.functional: expected a torch.nn.Module, got the {what}. sf.functional splits a module into "
+        f"(apply_fn, params): a function of its parameters and the tree of those parameters.\nFix: pass the "
+        f"model, apply_fn, params = sf.functional(model); a function that already takes the parameters "
+        f"explicitly, f(params, batch), needs no sf.functional: give it to sf.shard(f, mesh) with your params tree."
+    )
 
 
 _APPLY_EAGER = (

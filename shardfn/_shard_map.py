@@ -23,7 +23,7 @@ import torch
 from . import _tree, _vma
 from ._backend import ops
 from ._agree import check_same_everywhere
-from ._blocks import check_tensor, checked_spec, gather_blocks, slice_block
+from ._blocks import check_tensor, checked_spec, gather_blocks, slice_block, check_no_empty_blocks
 from ._collectives import binding, current_binding
 from ._errors import ShardingError, SpecError
 from ._global import global_call
@@ -81,11 +81,27 @@ class _Gather(torch.autograd.Function):
         return gather_blocks(x, spec, mesh, offset=1), 0
 
 
-def scatter(x: torch.Tensor, mesh, spec) -> torch.Tensor:
+def scatter(x: torch.Tensor, mesh, spec, *, allow_empty: bool = False) -> torch.Tensor:
     """This rank's block of a global tensor `x` that every rank holds.
 
-    Uneven sizes follow `torch.chunk`: trailing ranks may hold fewer or zero rows.
+    Uneven sizes follow `torch.chunk`: blocks of `ceil(n / k)` rows, the trailing ones
+    shorter. A split that would leave some ranks with zero rows while others hold rows
+    (6 rows over 4 ranks: 2, 2, 2, 0) is refused unless `allow_empty=True`: a rank with
+    an empty batch computes a NaN mean and, under `sf.shard`, an unequal batch.
     Differentiable: the backward is `gather`.
+
+    Args:
+      x: the global tensor, the same on every rank.
+      mesh: the mesh.
+      spec: an `sf.P(...)` (or None: replicated) for `x`'s dims.
+      allow_empty: accept blocks of zero rows (torch.chunk's layout as it is; `sf.shard`
+        lays out small parameters that way).
+
+    Returns:
+      This rank's block (a view of `x`).
+
+    Raises:
+      SpecError: an invalid spec for `x` or the mesh; a split with empty blocks (above).
 
     Example:
       >>> import shardfn as sf, torch
@@ -93,7 +109,10 @@ def scatter(x: torch.Tensor, mesh, spec) -> torch.Tensor:
       >>> mesh.run(lambda: sf.scatter(torch.arange(3.0), mesh, sf.P("data")).tolist())
       [[0.0, 1.0], [2.0]]
     """
-    return _Scatter.apply(x, mesh, checked_spec(x, mesh, spec, "scatter", communicates=False))
+    spec = checked_spec(x, mesh, spec, "scatter", communicates=False)
+    if not allow_empty:
+        check_no_empty_blocks(tuple(x.shape), spec, mesh.shape, "scatter")
+    return _Scatter.apply(x, mesh, spec)
 
 
 def gather(x_local: torch.Tensor, mesh, spec) -> torch.Tensor:

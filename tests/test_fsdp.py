@@ -161,7 +161,7 @@ def test_zero3_traffic_and_memory(mode, world):
             assert [c.nbytes for c in records if c.op == "all_gather"] == [unit] * (expected_ag // unit)
             assert [c.nbytes for c in records if c.op == "reduce_scatter"] == [unit] * L
             assert [(c.op, c.nbytes) for c in records if c.op not in ("all_gather", "reduce_scatter")] == [
-                ("all_reduce", 4)]  # the loss scalar
+                ("all_reduce", 32)]  # the loss and the batch-size check: [loss, n, n*n, unknown] in float64
             assert wire["all_gather_bytes"] == expected_ag and wire["reduce_scatter_bytes"] == psi
             assert stats_view(stats) == wire
             if reshard:

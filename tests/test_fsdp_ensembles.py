@@ -62,8 +62,8 @@ def compare_compositions(step, mesh, members, local, atol=1e-13):
 @pytest.mark.parametrize("reshard", [True, False])
 def test_ensemble_equals_a_loop_over_members(world, reshard):
     members, batch = members_and_batch(0, sizes=(5, 7, 4, 3))  # dim 0 of 5/7/4 over 3 ranks: uneven
-    mesh = mesh_of({"data": world})
-    step = sf.shard(mlp_loss, mesh, reshard_after_forward=reshard)
+    mesh = mesh_of({"data": world})  # the batch's 8 rows over 3 ranks: 3, 3, 2, weighted by size
+    step = sf.shard(mlp_loss, mesh, reshard_after_forward=reshard, batch_weighting="global_mean")
     compare_compositions(step, mesh, members, lambda m: local_batch(batch, m.rank, world))
 
 

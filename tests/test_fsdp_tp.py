@@ -135,7 +135,8 @@ def test_grads_match_single_device_property(shape, d, mult, layers, batch, resha
     want, want_loss = torch.func.grad_and_value(
         lambda p: sum(loss_fn(p, (x, y)) for x, y in zip(xy[0].chunk(data), xy[1].chunk(data))) / data)(params)
     mesh = mesh_of({"data": data, "model": model})
-    for loss, grads, _ in tp_grads(mesh, params, xy, reshard_after_forward=reshard, prefetch=prefetch):
+    for loss, grads, _ in tp_grads(mesh, params, xy, reshard_after_forward=reshard, prefetch=prefetch,
+                                   batch_weighting="mean_of_means"):  # uneven chunks, DDP's mean of means
         assert abs(loss - float(want_loss)) < 1e-11 * max(1.0, abs(float(want_loss)))
         assert_close(grads, want)
 
@@ -193,7 +194,7 @@ def test_stats_count_the_tensor_parallel_psum_of_replicated_leaves():
     psummed = [3 + 3] * 2 + [9]  # this rank's chunks of b2 and scale per layer, and of head (3, 3)
     check = [4]  # the first call's loss replication check: 2 fingerprints and their negations
     assert over_model == sorted(activations + psummed + check)
-    assert [n for op, axes, n in sent_ if op == "all_reduce" and axes == ("data",)] == [1]  # the loss
+    assert [n for op, axes, n in sent_ if op == "all_reduce" and axes == ("data",)] == [4]  # [loss, n, n*n, unknown]
     # stats() counts shard's own collectives: all of the above but loss_fn's psums.
     wire = totals(records)
     wire["all_reduce_bytes"] -= 8 * sum(activations)

@@ -7,6 +7,7 @@ The modules, in the order data flows through them:
   plan.py      the layout: units, per-leaf chunks, flat buffers; a frozen `Plan` per tree
   groups.py    per rank: the process groups and dtypes of a step, fixed
   reduce.py    gradient reduction as plain functions (reduce-scatter, HSDP / TP all-reduces)
+  batch.py     the loss mean over the data axes and uneven local batches (`batch_weighting`)
   autograd.py  the autograd Functions (gather a unit, reduce its gradients, the loss mean)
   runtime.py   per rank: `Schedule`, `StepMode`, unit states, leaf resolution
   view.py      the read-only params view `loss_fn` receives, fetching leaves on first access

@@ -14,6 +14,7 @@ from .._backend import ops
 from .._compile import not_traced
 from .._collectives import _Psum
 from .._errors import ShardingError
+from .batch import reduce_loss
 from .plan import copy_out, leaf_views, pack_shards
 
 if TYPE_CHECKING:
@@ -215,26 +216,34 @@ class LossMean(torch.autograd.Function):
     @staticmethod
     def forward(loss, rs: RankState):
         rs.check_loss(loss)
-        rs.stats.collective("all_reduce", loss.numel() * loss.element_size(), rs.groups.data)
-        return ops.all_reduce(rs.groups.data, loss) / rs.groups.data.size
+        # [Note: the batch size rides on the loss all-reduce] in batch.py
+        mean, rs.loss_weight = reduce_loss(loss, rs.batch_size, rs.config.batch_weighting, rs.groups.data, rs.stats)
+        return mean
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.rs = inputs[1]
+        ctx.weight = inputs[1].loss_weight  # None: 1/N; else this rank's n / sum(n) (global_mean)
 
     @staticmethod
     @not_traced(_BACKWARD)
     def backward(ctx, g):
         rs = ctx.rs
         rs.backward_start()
-        scale = 1.0 / (rs.groups.data.size * rs.groups.tp_size)  # [Note: FSDP x TP] rule (1)
-        rounded = float(torch.tensor(scale, dtype=g.dtype))
-        rs.grad_fix = scale / rounded  # [Note: the loss mean's 1/N]
+        if ctx.weight is None:
+            scale = 1.0 / (rs.groups.data.size * rs.groups.tp_size)  # [Note: FSDP x TP] rule (1)
+            rounded = float(torch.tensor(scale, dtype=g.dtype))
+            rs.grad_fix = scale / rounded  # [Note: the loss mean's 1/N]
+        else:  # weights differ by rank: each rank's rounding is its own, and stays in its gradient
+            rounded = float(torch.tensor(ctx.weight / rs.groups.tp_size, dtype=g.dtype))
+            rs.grad_fix = 1.0
         return g * rounded, None
 
     @staticmethod
     def jvp(ctx, t, _):
-        return _Psum.apply(t, ctx.rs.groups.data) / ctx.rs.groups.data.size
+        if ctx.weight is None:
+            return _Psum.apply(t, ctx.rs.groups.data) / ctx.rs.groups.data.size
+        return _Psum.apply(t * ctx.weight, ctx.rs.groups.data)
 
     @staticmethod
     def vmap(info, in_dims, loss, rs):

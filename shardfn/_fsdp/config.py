@@ -9,6 +9,7 @@ import torch
 
 from .._errors import SpecError
 from .._spec import PartitionSpec
+from .batch import check_weighting
 
 __all__ = ["MixedPrecision", "Config", "make_config", "resolve_reshard"]
 
@@ -38,10 +39,11 @@ class Config:
     frozen: Callable[[tuple], bool] | None
     check_finite: bool
     param_specs: Any = None  # spec tree (prefix of params) or `path -> spec`, over non-data axes
+    batch_weighting: str = "equal"  # how unequal local batches weigh in the loss mean (batch.py)
 
 
 def make_config(loss_fn, mesh, *, data_axes, shard_axes, units, reshard_after_forward, prefetch, mixed_precision,
-                has_aux, replicated, frozen, check_finite, param_specs) -> Config:
+                has_aux, replicated, frozen, check_finite, param_specs, batch_weighting="equal") -> Config:
     """`shard`'s arguments, checked (a SpecError naming the argument and the fix)."""
     data = mesh.axes(data_axes, where="shard(data_axes=...)")
     sharded = data if shard_axes is None else mesh.axes(shard_axes, where="shard(shard_axes=...)")
@@ -65,13 +67,21 @@ def make_config(loss_fn, mesh, *, data_axes, shard_axes, units, reshard_after_fo
             dtype = getattr(mixed_precision, field)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise SpecError(f"shard: MixedPrecision.{field} must be a floating torch.dtype or None, got {dtype!r:.60}")
+    if isinstance(loss_fn, torch.nn.Module):
+        raise SpecError(
+            f"shard: sf.shard takes a loss function of explicit parameters, loss_fn(params, batch) -> scalar, "
+            f"not an nn.Module (got a {type(loss_fn).__name__}): a module's forward takes the batch, not the "
+            f"parameters, and returns its output, not a loss.\nFix: apply_fn, params = sf.functional(model); "
+            f"loss_fn = lambda p, b: loss(apply_fn(p, b), b) (e.g. lambda p, b: apply_fn(p, b, labels=b).loss "
+            f"for a transformers causal LM); step = sf.shard(loss_fn, mesh); shards = step.shard_params(params)."
+        )
     if not callable(loss_fn):
         raise SpecError(f"shard: loss_fn must be callable, got {loss_fn!r:.60}")
     if param_specs is not None and not (callable(param_specs) or isinstance(param_specs, (PartitionSpec, dict, list, tuple))):
         raise SpecError(f"shard: param_specs must be a tree of sf.P(...) (a prefix of params) or a function of a key "
                         f"path, got {param_specs!r:.60}")
     return Config(data, sharded, units, reshard, reshard_axes, prefetch, mixed_precision, has_aux, replicated,
-                  frozen, bool(check_finite), param_specs)
+                  frozen, bool(check_finite), param_specs, check_weighting(batch_weighting))
 
 
 def resolve_reshard(value, mesh, shard_axes: tuple[str, ...]) -> tuple[bool, tuple[str, ...] | None]:

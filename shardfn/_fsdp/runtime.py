@@ -22,6 +22,7 @@ from .._compile import not_traced
 from .._errors import ShardingError
 from .._shard_map import replicated_mismatch
 from . import reduce
+from .batch import UNKNOWN
 from .autograd import GatherUnit, LossMean, plain, stacked
 from .view import current_scope
 from .groups import Groups
@@ -295,6 +296,8 @@ class RankState:
         self.loss_checked = self.groups.tp_size == 1
         self.leaves: list[torch.Tensor] = []  # this step's shard leaves, as loss_fn's caller passed them
         self.grad_fix = 1.0  # exact / rounded 1/N of the loss mean's backward ([Note: the loss mean's 1/N])
+        self.batch_size = UNKNOWN  # this call's local batch size (batch.py), set by the step
+        self.loss_weight: float | None = None  # this rank's weight in the loss mean, when not 1/N (batch.py)
         self.scope, self.scope_units = None, set()  # the `together` block being read, its units
         self.scope_of: dict[int, object] = {}  # unit -> the `together` block it was entered in
 

@@ -25,6 +25,7 @@ from . import tp
 from .config import Config, MixedPrecision, make_config
 from .eager import eager_grad_and_value
 from .plan import Plan, build_plan
+from .batch import local_batch_size
 from .reduce import Stats
 from .runtime import RankState, StepMode
 from .unshard import iter_unshard
@@ -316,6 +317,7 @@ class Shard:
         device = next((x.device for x in leaves), mesh.device)
         batch = self._prepare_batch(batch, device, plan)
         state.begin_step(leaves)
+        state.batch_size = local_batch_size(batch)  # for the loss mean ([Note: the batch size rides on ...])
         view = make_view(treedef, len(leaves), state.leaf)
         try:
             manual = self.config.data_axes + plan.tp_axes  # the other axes are auto in loss_fn
@@ -356,6 +358,7 @@ def shard(
     frozen: Callable[[tuple], bool] | None = None,
     check_finite: bool = False,
     param_specs=None,
+    batch_weighting: str = "equal",
 ) -> Shard:
     """Turn `loss_fn(params, batch, *rest) -> scalar` into a fully sharded data-parallel step.
 
@@ -396,12 +399,24 @@ def shard(
         also name a data axis that is not a shard axis (expert parallelism: experts split
         over `'expert'` with `data_axes=("data", "expert"), shard_axes="data"`; tokens
         routed by collectives over `'expert'` inside `loss_fn`; docs/howto/experts.md).
+      batch_weighting: how the ranks' losses make the step's loss when their local batches
+        (the leading dim of the batch's tensor leaves) differ in size. `"equal"` (default):
+        they must not; a ShardingError on every rank names each rank's size otherwise
+        (checked on the loss all-reduce the step issues anyway: no extra collective).
+        `"global_mean"`: each rank's loss weighted by its batch size, the mean over the
+        global batch (as one process on the concatenated batch, for a `loss_fn` returning
+        its batch's mean). `"mean_of_means"`: the plain mean of the ranks' losses, unchecked.
 
     Returns:
       A `Shard` step: call it as `step(shards, batch, *rest)`; it has `shard_params`,
       `unshard_params`, `specs` and `stats()`. It composes with `torch.func`: `grad`,
       `vjp`, `jvp`, `vmap(grad(step), in_dims=(None, 0))` (per-example gradients) and
       `vmap(step, in_dims=(0, None))` over stacked shards (an ensemble of models).
+
+    Raises:
+      SpecError: invalid options; `loss_fn` an `nn.Module` (wrap it with `sf.functional`).
+      ShardingError: (when called) unequal local batches under `batch_weighting="equal"`, and
+        the other misuses the step names (shards not from `shard_params`, a non-scalar loss).
 
     Example:
       >>> import shardfn as sf, torch
@@ -422,5 +437,5 @@ def shard(
     config = make_config(loss_fn, mesh, data_axes=data_axes, shard_axes=shard_axes, units=units,
                          reshard_after_forward=reshard_after_forward, prefetch=prefetch,
                          mixed_precision=mixed_precision, has_aux=has_aux, replicated=replicated, frozen=frozen,
-                         check_finite=check_finite, param_specs=param_specs)
+                         check_finite=check_finite, param_specs=param_specs, batch_weighting=batch_weighting)
     return Shard(loss_fn, mesh, config)

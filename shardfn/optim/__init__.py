@@ -11,7 +11,8 @@ pytrees are flattened with ``shardfn._tree`` (namespace ``"shardfn"``, spec tree
 broadcast by key path), specs are read with ``shardfn._spec``, and a spec tree or mesh
 axis that does not fit raises ``sf.SpecError`` (a ``ValueError``). Bad hyperparameters
 and update / state trees of different structures raise ``ValueError``, as
-``torch.optim`` does. The transforms import only ``_tree``, ``_spec`` and ``_errors``
+``torch.optim`` does; state or params shaped unlike the gradients (state initialised from
+the full params, updated with a shard's gradients) raise ``sf.SpecError`` naming the leaves. The transforms import only ``_tree``, ``_spec`` and ``_errors``
 (``train_step`` adds ``_autograd``); the mesh given for sharded clipping is used only
 through ``mesh.coords``, ``mesh.shape`` and ``mesh.all_reduce``.
 """

@@ -99,8 +99,8 @@ def scale_by_adam(
         """``out_scale * mu_hat / denom``; see [Note: scale fusion] in _fusion.py."""
         del params, owned
         g, treedef = _tree.flatten(updates)
-        mu = _flat.leaves_like(treedef, state.mu, "state.mu", who)
-        nu = _flat.leaves_like(treedef, state.nu, "state.nu", who)
+        mu = _flat.leaves_like(treedef, state.mu, "state.mu", who, shapes_of=g)
+        nu = _flat.leaves_like(treedef, state.nu, "state.nu", who, shapes_of=g)
         count, t = _flat.bump_count(state.count, inplace)
         if not g:
             return updates, ScaleByAdamState(count, state.mu, state.nu)

@@ -25,19 +25,65 @@ import optree
 import torch
 
 from .. import _tree
+from .._errors import SpecError, bullet_list
 
 def leaves_like(
-    treedef: optree.PyTreeSpec, tree: Any, name: str, who: str, ref: str = "the updates"
+    treedef: optree.PyTreeSpec, tree: Any, name: str, who: str, ref: str = "the updates",
+    shapes_of: list | None = None,
 ) -> list[Any]:
     """Flatten ``tree`` and check that it has the structure ``treedef`` (that of ``ref``).
 
+    Args:
+        shapes_of: the leaves of ``ref``; when given, each leaf of ``tree`` must also have
+            the shape of its leaf there (one tuple comparison per leaf).
+
     Raises:
         ValueError: naming ``who``, the argument ``name`` and the first differing key path.
+        SpecError: a leaf whose shape differs from ``ref``'s ([Note: state of the full
+            params]).
     """
     leaves, other = _tree.flatten(tree)
     if other != treedef:
         raise ValueError(_structure_error(treedef, other, ref, name, who))
+    if shapes_of is not None:
+        bad = [i for i, (a, b) in enumerate(zip(leaves, shapes_of))
+               if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape]
+        if bad:
+            raise SpecError(_shape_error(treedef, bad, leaves, shapes_of, ref, name, who))
     return leaves
+
+
+# [Note: state of the full params]
+# The usual way to get here: `opt.init(params)` on the full parameters, then `update` with
+# the gradients of `step.shard_params(params)`, which have 1/N of the rows. Every
+# transform's `update` flattens its state (and params) through `leaves_like` with the
+# gradient leaves, so the shapes are compared once per leaf before any math, and the
+# message says which leaf and by how much, instead of a size-mismatch RuntimeError from
+# inside a foreach op.
+
+
+def _shape_error(treedef, bad: list[int], leaves, ref_leaves, ref, name, who) -> str:
+    paths = treedef.paths()
+    ref_name = ref.replace("the ", "")
+    lines = [f"{name}{_tree.keystr(paths[i])}: shape {tuple(leaves[i].shape)}, {ref_name}: "
+             f"{tuple(ref_leaves[i].shape)}" for i in bad[:5]]
+    if len(bad) > 5:
+        lines.append(f"... and {len(bad) - 5} more of {len(leaves)} leaves")
+    a, b = leaves[bad[0]], ref_leaves[bad[0]]
+    rows = a.dim() == b.dim() and a.dim() > 0 and a.shape[1:] == b.shape[1:] and a.shape[0] != b.shape[0]
+    if rows and name.startswith("state") and a.shape[0] > b.shape[0]:
+        why = (" The state has more rows than the gradient: it was made from the full parameters, while "
+               "the gradients are this rank's shards.")
+    elif rows:
+        why = " Only the rows differ: one tree holds the full tensors, the other this rank's shards."
+    else:
+        why = ""
+    return (
+        f"{who}: {name} does not have the shapes of {ref}:\n{bullet_list(lines)}\n"
+        f"Optimizer state, parameters and gradients must be shaped alike, leaf by leaf.{why}\n"
+        "Fix: opt.init(shards) with the shards step.shard_params returned (not the full params), and "
+        "update / apply_updates with those shards, their gradients and the state this optimizer returned."
+    )
 
 
 def _structure_error(expected, got, ref, name, who) -> str:

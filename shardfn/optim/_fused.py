@@ -123,10 +123,10 @@ def fused_adam(
         _flat.require_params(params, upd)
         _check_state(state, len(links), upd)
         g, treedef = _tree.flatten(updates)
-        p = _flat.leaves_like(treedef, params, "params", upd)
+        p = _flat.leaves_like(treedef, params, "params", upd, shapes_of=g)
         adam = state[adam_at]
-        mu = _flat.leaves_like(treedef, adam.mu, "state.mu", upd)
-        nu = _flat.leaves_like(treedef, adam.nu, "state.nu", upd)
+        mu = _flat.leaves_like(treedef, adam.mu, "state.mu", upd, shapes_of=g)
+        nu = _flat.leaves_like(treedef, adam.nu, "state.nu", upd, shapes_of=g)
         groups = _groups(upd, treedef, p, grads=g, mu=mu, nu=nu)
         lr = float(lr_of(state[-1]))
         new_state = list(state)
@@ -163,10 +163,10 @@ def fused_sgd(
         _flat.require_params(params, upd)
         _check_state(state, len(links), upd)
         g, treedef = _tree.flatten(updates)
-        p = _flat.leaves_like(treedef, params, "params", upd)
+        p = _flat.leaves_like(treedef, params, "params", upd, shapes_of=g)
         bufs = {}
         if trace_at is not None:
-            bufs["momentum buffer"] = _flat.leaves_like(treedef, state[trace_at].trace, "state.trace", upd)
+            bufs["momentum buffer"] = _flat.leaves_like(treedef, state[trace_at].trace, "state.trace", upd, shapes_of=g)
         groups = _groups(upd, treedef, p, grads=g, **bufs)
         buf = bufs.get("momentum buffer")
         lr = float(lr_of(state[-1]))

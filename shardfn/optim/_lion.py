@@ -61,7 +61,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, inplace: bool = False) -
     def update(updates, state, params=None):
         del params
         g, treedef = _tree.flatten(updates)
-        mu = _flat.leaves_like(treedef, state.mu, "state.mu", who)
+        mu = _flat.leaves_like(treedef, state.mu, "state.mu", who, shapes_of=g)
         count, _ = _flat.bump_count(state.count, inplace)
         if not g:
             return updates, ScaleByLionState(count, state.mu)

@@ -54,7 +54,7 @@ def trace(decay: float, nesterov: bool = False, *, inplace: bool = False) -> Gra
     def update(updates, state, params=None):
         del params
         g, treedef = _tree.flatten(updates)
-        tr = _flat.leaves_like(treedef, state.trace, "state.trace", who)
+        tr = _flat.leaves_like(treedef, state.trace, "state.trace", who, shapes_of=g)
         if not g:
             return updates, state
         if inplace:

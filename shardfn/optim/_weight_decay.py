@@ -95,7 +95,7 @@ def add_decayed_weights(
             return updates, state
         _flat.require_params(params, who)
         u, treedef = _tree.flatten(updates)
-        p = _flat.leaves_like(treedef, params, "params", who)
+        p = _flat.leaves_like(treedef, params, "params", who, shapes_of=u)
         index = selected(params)
         us = u if index is None else [u[i] for i in index]
         ps = p if index is None else [p[i] for i in index]

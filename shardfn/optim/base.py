@@ -165,7 +165,7 @@ def apply_updates(params: Any, updates: Any, *, inplace: bool = False) -> Any:
     if isinstance(updates, AppliedUpdates):
         return _already_applied(params, updates)
     p, treedef = _tree.flatten(params)
-    u = _flat.leaves_like(treedef, updates, "updates", "apply_updates", ref="the params")
+    u = _flat.leaves_like(treedef, updates, "updates", "apply_updates", ref="the params", shapes_of=p)
     if not p:
         return params
     if inplace:

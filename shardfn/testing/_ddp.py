@@ -293,6 +293,11 @@ def _compare(where: str, rank: int, against: str, got, want, tol: float) -> None
                 )
 
 
+# DDP averages the ranks' gradients of their own mean losses: the mean of the per-rank
+# means, also when the local batches differ in size (shard's default would refuse them).
+_DDP_WEIGHTING = {"batch_weighting": "mean_of_means"}
+
+
 def assert_ddp_equivalent(
     loss_fn: Callable,
     params,
@@ -329,7 +334,8 @@ def assert_ddp_equivalent(
       params: the initial parameter pytree.
       batches: global batches, one per step (repeated if fewer than `steps`). Every rank,
         and every micro-batch, must get at least one row under `torch.chunk`; uneven
-        chunks are fine (each rank's loss is its own mean, as under DDP).
+        chunks are fine (each rank's loss is its own mean, as under DDP: the step is
+        built with `batch_weighting="mean_of_means"` unless `shard_kwargs` says otherwise).
       world_sizes: an int N is the mesh `{"data": N}`; a dict is a mesh shape (e.g.
         `{"replica": 2, "shard": 2}` for HSDP with `data_axes=("replica", "shard"),
         shard_axes="shard"` in `shard_kwargs`). Data is split over all ranks.
@@ -405,7 +411,7 @@ def assert_ddp_equivalent(
             import shardfn as sf
 
             mesh = sf.local_mesh(shape)
-            step = sf.shard(loss_fn, mesh, **shard_kwargs)
+            step = sf.shard(loss_fn, mesh, **{**_DDP_WEIGHTING, **shard_kwargs})
             per_rank = mesh.run(lambda: _shard_rank(step, mesh, params, batches, world, optimizer, lr,
                                                     micro_batches, accumulate))
             for rank, ours in enumerate(per_rank):
@@ -423,7 +429,7 @@ def _run_against_ddp(loss_fn, params, batches, shape, world, optimizer, torch_op
         theirs = ddp_training(loss_fn, params, batches, lr=lr, optimizer=torch_optimizer,
                               frozen=shard_kwargs.get("frozen"), micro_batches=micro_batches, no_sync=ddp_no_sync)
         mesh = sf.init_mesh(shape, timeout=timeout)
-        step = sf.shard(loss_fn, mesh, **shard_kwargs)
+        step = sf.shard(loss_fn, mesh, **{**_DDP_WEIGHTING, **shard_kwargs})
         ours = _shard_rank(step, mesh, params, batches, world, optimizer, lr, micro_batches, accumulate)
         return ours, theirs
 

@@ -1,0 +1,151 @@
+"""Uneven local batches: the loss mean of `shard` and its `batch_weighting`.
+
+The step returns a mean of the ranks' losses over the data axes. With equal local batches
+that is the mean over the global batch; with unequal ones it is not (each example of a
+smaller batch weighs more), so `batch_weighting` makes the choice explicit:
+
+- `"equal"` (default): local batches must have the same size; checked on every call, and
+  a ShardingError on every rank names each rank's size otherwise;
+- `"mean_of_means"`: the mean of the per-rank means, whatever the sizes (not checked);
+- `"global_mean"`: each rank's loss weighted by its batch size, `sum(n_r * loss_r) /
+  sum(n_r)`: the mean over the global batch, as one process computes it on the
+  concatenated batch (for a `loss_fn` that returns the mean over its batch).
+
+[Note: the batch size rides on the loss all-reduce]
+No collective is added: under "equal" and "global_mean" the loss all-reduce that `shard`
+issues anyway carries, in float64, `[loss (or n * loss), n, n * n, unknown]` instead of
+the loss alone (32 bytes instead of the loss' 4 for a float32 scalar). Every rank reads
+the same sums, so every rank takes the same decision: the sizes are equal exactly when
+`K * sum(n^2) == sum(n)^2` over the K ranks that know theirs (Cauchy-Schwarz; integers,
+exact in float64). Only on the error path does one more all-gather name each rank's size.
+The loss is summed in float64 and cast back to its dtype, so a float32 loss may differ
+from a float32 sum by its last bit. Reading the sums back is one host sync per step on an
+accelerator; "mean_of_means" keeps the loss-only all-reduce of the loss' dtype, no sync.
+On meta or fake tensors (`sf.estimate`) nothing can be read, and nothing is checked.
+
+A rank's batch size is the leading dim of the tensor leaves of its batch (0-dim leaves
+aside). When the leaves disagree, there are none, or the batch is vmapped (per-example
+gradients) the size is unknown: "equal" then checks nothing if no rank knows its size (and
+raises if only some do); "global_mean" raises, since it cannot weigh.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _tree
+from .._backend import ops
+from .._errors import ShardingError, SpecError
+
+__all__ = ["WEIGHTINGS", "check_weighting", "local_batch_size", "reduce_loss"]
+
+WEIGHTINGS = ("equal", "mean_of_means", "global_mean")
+UNKNOWN = -1
+
+
+def check_weighting(value) -> str:
+    """`shard(batch_weighting=...)`, checked."""
+    if value not in WEIGHTINGS:
+        raise SpecError(
+            f"shard: batch_weighting must be one of {WEIGHTINGS}, got {value!r:.60}.\nFix: 'equal' (local batches "
+            f"of one size, checked), 'global_mean' (the mean over the global batch: each rank's loss weighted by "
+            f"its batch size) or 'mean_of_means' (the mean of the per-rank means)."
+        )
+    return value
+
+
+def local_batch_size(batch) -> int:
+    """The leading dim shared by the batch's tensor leaves (0-dim leaves aside), or UNKNOWN."""
+    sizes = set()
+    for leaf in _tree.flatten(batch)[0]:
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            continue
+        if _vmapped(leaf):  # vmap over the batch: its leading dim is not the batch size
+            return UNKNOWN
+        sizes.add(int(leaf.shape[0]))
+    return sizes.pop() if len(sizes) == 1 else UNKNOWN
+
+
+def _vmapped(x: torch.Tensor) -> bool:
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(x):
+        if functorch.is_batchedtensor(x):
+            return True
+        x = functorch.get_unwrapped(x)
+    return False
+
+
+def _readable(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not x.is_meta and not is_fake(x)
+
+
+def reduce_loss(loss: torch.Tensor, n: int, weighting: str, group, stats) -> tuple[torch.Tensor, float | None]:
+    """The loss mean over the data group, and this rank's weight in it when that is not
+    1/N (`global_mean` with unequal sizes), else None.
+
+    Raises:
+      ShardingError: on every rank of the group, "equal" with unequal (or partly unknown)
+        sizes, "global_mean" with unknown sizes or an empty global batch.
+    """
+    size = group.size
+    if weighting == "mean_of_means" or size == 1:
+        stats.collective("all_reduce", loss.numel() * loss.element_size(), group)
+        return ops.all_reduce(group, loss) / size, None
+    value = loss.reshape(-1).to(torch.float64)
+    if weighting == "global_mean":  # an empty batch's (NaN) mean counts 0 times
+        value = value * n if n > 0 else torch.zeros_like(value)
+    meta = torch.tensor([n, n * n, 0] if n != UNKNOWN else [0, 0, 1], dtype=torch.float64)
+    packed = torch.cat([value, meta.to(value.device)])
+    stats.collective("all_reduce", packed.numel() * packed.element_size(), group)
+    total = ops.all_reduce(group, packed)
+    sums, tail = total[:-3], total[-3:]
+    if not _readable(total):  # sf.estimate: shapes only
+        return (sums / size).to(loss.dtype).reshape(loss.shape), None
+    sum_n, sum_nn, unknown = (int(v) for v in tail.tolist())
+    known = size - unknown
+    equal = known * sum_nn == sum_n * sum_n
+    if weighting == "equal":
+        if unknown == size or (unknown == 0 and equal):
+            return (sums / size).to(loss.dtype).reshape(loss.shape), None
+        raise ShardingError(_unequal(group, n, value.device))
+    if unknown or sum_n == 0:
+        raise ShardingError(_unweighable(group, n, value.device, unknown))
+    weight = None if equal else max(n, 0) / sum_n
+    return (sums / sum_n).to(loss.dtype).reshape(loss.shape), weight
+
+
+def _sizes(group, n: int, device) -> str:
+    """Each rank's batch size (one all-gather, on the error path only)."""
+    sizes = ops.all_gather(group, torch.tensor([float(n)], dtype=torch.float64, device=device)).tolist()
+    return ", ".join(f"rank {r}: {'unknown' if s == UNKNOWN else int(s)}" for r, s in zip(group.ranks, sizes))
+
+
+_SIZE = ("a rank's batch size is the leading dim of its batch's tensor leaves; 'unknown' when they disagree or "
+         "there are none")
+
+
+def _unequal(group, n: int, device) -> str:
+    k = group.size
+    return (
+        f"shard: the local batches differ in size across the data axes ({_sizes(group, n, device)}; {_SIZE}). "
+        f"The step's loss is the mean of the ranks' losses, which with unequal batches is not the mean over "
+        f"the global batch: an example of a smaller batch would weigh more.\nFix: give every rank the same "
+        f"number of examples (drop or pad the global batch to a multiple of {k}; sf.scatter refuses splits that "
+        f"leave a rank empty); or choose: sf.shard(..., batch_weighting='global_mean') for the mean over the "
+        f"global batch (each rank's loss weighted by its batch size), batch_weighting='mean_of_means' for the "
+        f"mean of the per-rank means."
+    )
+
+
+def _unweighable(group, n: int, device, unknown: int) -> str:
+    if unknown:
+        why = "no rank knows its batch size" if unknown == group.size else "some ranks do not know their batch size"
+    else:
+        why = "every rank's batch is empty"
+    return (
+        f"shard(batch_weighting='global_mean'): {why} ({_sizes(group, n, device)}; {_SIZE}), so the ranks' "
+        f"losses cannot be weighted by their batch sizes.\nFix: give the batch tensor leaves one leading "
+        f"(batch) dim, or use batch_weighting='equal' / 'mean_of_means'."
+    )
