@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _tree
 from ._errors import SpecError
 
 __all__ = ["Tracker", "Trace", "Recompute", "nested", "fingerprint", "check_outputs", "diverged"]

@@ -4,6 +4,7 @@ the "global_mean" one checked against one process on the concatenated batch."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import optree
@@ -234,6 +235,31 @@ def test_unequal_batches_raise_on_every_rank_by_default():
         assert ("\nFix: give every rank the same number of examples (drop or pad the global batch to a multiple "
                 "of 4;") in m
         assert "batch_weighting='global_mean'" in m and "batch_weighting='mean_of_means'" in m
+
+
+def test_on_an_accelerator_the_check_is_read_at_the_next_step(monkeypatch):
+    # [Note: the equal-size check does not stall an accelerator]: the device test is the
+    # only thing patched; the collectives and the check are the real ones.
+    from shardfn._fsdp import batch as batch_module
+
+    monkeypatch.setattr(batch_module, "_defer", lambda device: True)
+    mesh = sf.local_mesh({"data": 4})
+    step = sf.shard(_mlp_loss, mesh)
+    batch = _global_batch()
+
+    def two_steps():
+        shards = step.shard_params(_mlp_params())
+        first = step(shards, _local(batch, mesh.rank))  # returns: its check is pending
+        try:
+            step(shards, _local(batch, mesh.rank))
+        except sf.ShardingError as err:
+            return float(first), str(err)
+        return float(first), None
+
+    for loss, msg in mesh.run(two_steps):
+        assert math.isfinite(loss)
+        assert msg is not None and msg.startswith("shard: the local batches differ in size across the data axes "
+                                                  "(rank 0: 4, rank 1: 3, rank 2: 2, rank 3: 1;"), msg
 
 
 def test_a_rank_with_an_empty_batch_is_unequal():

@@ -14,7 +14,7 @@ from .._backend import ops
 from .._compile import not_traced
 from .._collectives import _Psum
 from .._errors import ShardingError
-from .batch import reduce_loss
+from .batch import reduce_loss, settle
 from .plan import copy_out, leaf_views, pack_shards
 
 if TYPE_CHECKING:
@@ -217,7 +217,10 @@ class LossMean(torch.autograd.Function):
     def forward(loss, rs: RankState):
         rs.check_loss(loss)
         # [Note: the batch size rides on the loss all-reduce] in batch.py
-        mean, rs.loss_weight = reduce_loss(loss, rs.batch_size, rs.config.batch_weighting, rs.groups.data, rs.stats)
+        pending, rs.batch_check = rs.batch_check, None
+        settle(pending)  # the previous step's check, on an accelerator (batch.py)
+        mean, rs.loss_weight, rs.batch_check = reduce_loss(loss, rs.batch_size, rs.config.batch_weighting,
+                                                           rs.groups.data, rs.stats)
         return mean
 
     @staticmethod

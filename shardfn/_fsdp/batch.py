@@ -19,9 +19,17 @@ the same sums, so every rank takes the same decision: the sizes are equal exactl
 `K * sum(n^2) == sum(n)^2` over the K ranks that know theirs (Cauchy-Schwarz; integers,
 exact in float64). Only on the error path does one more all-gather name each rank's size.
 The loss is summed in float64 and cast back to its dtype, so a float32 loss may differ
-from a float32 sum by its last bit. Reading the sums back is one host sync per step on an
-accelerator; "mean_of_means" keeps the loss-only all-reduce of the loss' dtype, no sync.
-On meta or fake tensors (`sf.estimate`) nothing can be read, and nothing is checked.
+from a float32 sum by its last bit. "mean_of_means" keeps the loss-only all-reduce of the
+loss' dtype. On meta or fake tensors (`sf.estimate`) nothing can be read, and nothing is
+checked.
+
+[Note: the equal-size check does not stall an accelerator]
+Reading the sums back is a host sync. On the CPU it costs nothing (gloo's all-reduce has
+finished when it returns), and "equal" checks at once. On an accelerator the check of one
+step is read at the start of the next step's loss mean (`settle`), when that step's
+all-reduce has long finished, so the host never waits on the stream for it: the error
+comes one step late, on every rank alike. "global_mean" needs the sums for the backward's
+weights, and reads them at once on every device.
 
 A rank's batch size is the leading dim of the tensor leaves of its batch (0-dim leaves
 aside). When the leaves disagree, there are none, or the batch is vmapped (per-example
@@ -37,7 +45,7 @@ from .. import _tree
 from .._backend import ops
 from .._errors import ShardingError, SpecError
 
-__all__ = ["WEIGHTINGS", "check_weighting", "local_batch_size", "reduce_loss"]
+__all__ = ["WEIGHTINGS", "check_weighting", "local_batch_size", "reduce_loss", "settle"]
 
 WEIGHTINGS = ("equal", "mean_of_means", "global_mean")
 UNKNOWN = -1
@@ -81,9 +89,35 @@ def _readable(x: torch.Tensor) -> bool:
     return not x.is_meta and not is_fake(x)
 
 
-def reduce_loss(loss: torch.Tensor, n: int, weighting: str, group, stats) -> tuple[torch.Tensor, float | None]:
-    """The loss mean over the data group, and this rank's weight in it when that is not
-    1/N (`global_mean` with unequal sizes), else None.
+class EqualCheck:
+    """The "equal" check of one step, read later on an accelerator. [Note: the equal-size
+    check does not stall an accelerator]"""
+
+    def __init__(self, tail: torch.Tensor, n: int, group):
+        self.tail, self.n, self.group = tail, n, group
+
+    def verify(self) -> None:
+        sum_n, sum_nn, unknown = (int(v) for v in self.tail.tolist())
+        size = self.group.size
+        if unknown == size or (unknown == 0 and size * sum_nn == sum_n * sum_n):
+            return
+        raise ShardingError(_unequal(self.group, self.n, self.tail.device))
+
+
+def _defer(device: torch.device) -> bool:
+    return device.type != "cpu"
+
+
+def settle(pending: EqualCheck | None) -> None:
+    """Read a previous step's deferred check (None: nothing pending)."""
+    if pending is not None:
+        pending.verify()
+
+
+def reduce_loss(loss: torch.Tensor, n: int, weighting: str, group, stats):
+    """The loss mean over the data group, this rank's weight in it when that is not 1/N
+    (`global_mean` with unequal sizes, else None), and the "equal" check left to read at
+    the next step (on an accelerator, else None).
 
     Raises:
       ShardingError: on every rank of the group, "equal" with unequal (or partly unknown)
@@ -92,7 +126,7 @@ def reduce_loss(loss: torch.Tensor, n: int, weighting: str, group, stats) -> tup
     size = group.size
     if weighting == "mean_of_means" or size == 1:
         stats.collective("all_reduce", loss.numel() * loss.element_size(), group)
-        return ops.all_reduce(group, loss) / size, None
+        return ops.all_reduce(group, loss) / size, None, None
     value = loss.reshape(-1).to(torch.float64)
     if weighting == "global_mean":  # an empty batch's (NaN) mean counts 0 times
         value = value * n if n > 0 else torch.zeros_like(value)
@@ -102,18 +136,19 @@ def reduce_loss(loss: torch.Tensor, n: int, weighting: str, group, stats) -> tup
     total = ops.all_reduce(group, packed)
     sums, tail = total[:-3], total[-3:]
     if not _readable(total):  # sf.estimate: shapes only
-        return (sums / size).to(loss.dtype).reshape(loss.shape), None
-    sum_n, sum_nn, unknown = (int(v) for v in tail.tolist())
-    known = size - unknown
-    equal = known * sum_nn == sum_n * sum_n
+        return (sums / size).to(loss.dtype).reshape(loss.shape), None, None
     if weighting == "equal":
-        if unknown == size or (unknown == 0 and equal):
-            return (sums / size).to(loss.dtype).reshape(loss.shape), None
-        raise ShardingError(_unequal(group, n, value.device))
+        mean = (sums / size).to(loss.dtype).reshape(loss.shape)
+        check = EqualCheck(tail, n, group)
+        if _defer(total.device):  # [Note: the equal-size check does not stall an accelerator]
+            return mean, None, check
+        check.verify()
+        return mean, None, None
+    sum_n, sum_nn, unknown = (int(v) for v in tail.tolist())
     if unknown or sum_n == 0:
         raise ShardingError(_unweighable(group, n, value.device, unknown))
-    weight = None if equal else max(n, 0) / sum_n
-    return (sums / sum_n).to(loss.dtype).reshape(loss.shape), weight
+    weight = None if size * sum_nn == sum_n * sum_n else max(n, 0) / sum_n
+    return (sums / sum_n).to(loss.dtype).reshape(loss.shape), weight, None
 
 
 def _sizes(group, n: int, device) -> str:

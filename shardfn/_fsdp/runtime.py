@@ -298,6 +298,7 @@ class RankState:
         self.grad_fix = 1.0  # exact / rounded 1/N of the loss mean's backward ([Note: the loss mean's 1/N])
         self.batch_size = UNKNOWN  # this call's local batch size (batch.py), set by the step
         self.loss_weight: float | None = None  # this rank's weight in the loss mean, when not 1/N (batch.py)
+        self.batch_check = None  # batch.EqualCheck of the last step, read at the next one (on an accelerator)
         self.scope, self.scope_units = None, set()  # the `together` block being read, its units
         self.scope_of: dict[int, object] = {}  # unit -> the `together` block it was entered in
 
