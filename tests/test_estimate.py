@@ -327,5 +327,6 @@ def test_the_docs_table_is_what_the_script_prints(tmp_path):
     remat = [sf.Estimate(**{k: v for k, v in r["remat"].items() if k != "total"}) for r in rows]
     assert will_it_fit.page_table() == will_it_fit.markdown_table(estimates, remat), (
         "docs/howto/will-it-fit.md is stale: run python -m benchmarks.will_it_fit --write")
-    for est, rem in zip(estimates, remat):  # every block recomputed: far fewer activations
-        assert rem.peak_activation_bytes < 0.5 * est.peak_activation_bytes
+    for est, rem in zip(estimates, remat):  # every block recomputed: the blocks' saved activations go, the
+        # (B, T, vocab) logits and their loss remain (attention is fused: no (B, H, T, T) scores either way)
+        assert rem.peak_activation_bytes < 0.75 * est.peak_activation_bytes
