@@ -15,10 +15,12 @@ its memory. So the dry run keeps values where they are cheap and known:
   when what it allocates is at most `REAL_BYTES` (its meta twin is run first to learn
   that; the meta result is kept otherwise) — masks, positions, labels and the decisions
   taken on them are then the real ones;
-- an op asked to move real tensors to the meta device (`mask.to(x.device)` with `x` an
-  activation) is such an op: it stays real, on its inputs' device, as the real step
-  would (a factory asked for meta, `torch.arange(T, device=x.device)`, stays meta: the
-  schedule's own buffers are made so);
+- an op asked to move real integer or bool tensors to the meta device
+  (`mask.to(x.device)` with `x` an activation) is such an op: it stays real, on its
+  inputs' device, as the real step would. Floating-point ones do go to meta (a KV cache's
+  `torch.tensor([], device=x.device)` is then what it is in the real step, under
+  `torch.func` too), and so does a factory asked for meta (`torch.arange(T,
+  device=x.device)`: the schedule's own buffers are made so);
 - an op that mixes real and meta arguments runs on meta (the real ones are moved there:
   no copy of data), so nothing computed from a parameter or an activation ever has
   values; a real tensor it writes into (`buf.copy_(activation)`) is marked unknown and
@@ -36,11 +38,13 @@ device: on meta tensors it always takes the math path, which materializes the (B
 scores and keeps them for the backward; on CPU (flash attention for CPU) and CUDA (flash,
 memory-efficient, cuDNN) a fused kernel keeps only the output and the log-sum-exp. A dry
 run on meta would then overcount attention by O(T^2) (+16-19% on a tiny Llama). So
-`FusedAttention` asks PyTorch's CPU dispatcher which kernel it would pick for the same
+`MetaFunctions` asks PyTorch's CPU dispatcher which kernel it would pick for the same
 shapes, dtypes, mask shape and dropout (stride-0 stand-ins: no memory), and when it is the
 fused one runs the fused op (`_scaled_dot_product_flash_attention_for_cpu`, whose meta
 kernel and backward exist) on the meta tensors. The CUDA kernels hold the same tensors
-(output + log-sum-exp), so the count stands for both.
+(output + log-sum-exp), so the count stands for both. The backward's fp32 accumulator of
+the query's gradient is counted while it runs (`_SCRATCH`); the CPU kernel's per-thread
+blocks (qSplit x kvSplit floats per thread: ~1 MiB at T = 1024) are not.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._backend import ops
 from ._errors import SpecError
 
-__all__ = ["Tracker", "FusedAttention", "real_batch_leaf", "REAL_BYTES"]
+__all__ = ["Tracker", "MetaFunctions", "real_batch_leaf", "REAL_BYTES"]
 
 REAL_BYTES = 64 * 2 ** 20  # the most bytes one real op (or batch leaf) of a dry run may allocate
 
@@ -107,7 +111,8 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
 def _run_real_or_meta(func, args, kwargs):
     """An op without meta arguments: for real when it allocates at most REAL_BYTES."""
     device, real = kwargs.get("device"), _tensors(args)
-    if real and device is not None and torch.device(device).type == "meta":  # stays where its inputs are
+    if real and device is not None and torch.device(device).type == "meta" and not any(
+            x.is_floating_point() or x.is_complex() for x in real):  # integer values stay where they are
         kwargs = {**kwargs, "device": real[0].device}
     if func._schema.is_mutable:  # in place / out=: the memory is already there
         return func(*args, **kwargs)
@@ -172,6 +177,11 @@ class Tracker(TorchDispatchMode):
             inputs = {x.untyped_storage()._cdata for x in _tensors((args, kwargs))}
             for t in _tensors(out):
                 self._see(t, inputs)
+            if func in _SCRATCH:  # held inside the kernel, beside its outputs, until it returns
+                scratch = _SCRATCH[func](*args)
+                self._see(scratch, inputs)
+                self.sample()
+                del scratch
             self.sample()
         return out
 
@@ -220,6 +230,15 @@ class Tracker(TorchDispatchMode):
 
 # -- attention -------------------------------------------------------------------------------
 
+# Buffers a kernel allocates and frees inside itself, which no op reports: the fused
+# attention backward accumulates the query's gradient in fp32 (the CPU kernel, measured on
+# torch 2.13: a buffer of q's size in fp32 plus per-thread blocks; CUDA flash attention's
+# dq_accum likewise), so a dry run counts one fp32 buffer of q's shape while it runs.
+_SCRATCH = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        lambda grad_out, query, *rest: torch.empty(query.shape, dtype=torch.float32, device="meta"),
+}
+
 _FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
 
 
@@ -229,9 +248,13 @@ def _stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else torch.empty(t.shape[-1:], dtype=t.dtype).expand(t.shape)
 
 
-class FusedAttention(TorchFunctionMode):
-    """`F.scaled_dot_product_attention` on meta tensors takes the kernel the CPU dispatcher
-    would take ([Note: fused attention in a dry run])."""
+class MetaFunctions(TorchFunctionMode):
+    """Two functions that meta tensors get wrong, put right for the dry run:
+    `F.scaled_dot_product_attention` takes the kernel the CPU dispatcher would take
+    ([Note: fused attention in a dry run]), and `torch.tensor(data, device="meta")`, which
+    fails under `torch.func.grad` on torch 2.13 ("attempted to call in-place operation
+    (aten::detach_) that would mutate a captured Tensor": a KV cache's empty start), is
+    made on the CPU and moved to meta, which works."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -239,6 +262,10 @@ class FusedAttention(TorchFunctionMode):
             out = _fused(*args, **kwargs)
             if out is not None:
                 return out
+        if func is torch.tensor and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
+            requires_grad = kwargs.pop("requires_grad", False)
+            out = func(*args, **{**kwargs, "device": "cpu"}).to("meta")
+            return out.requires_grad_() if requires_grad else out
         return func(*args, **kwargs)
 
 

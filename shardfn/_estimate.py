@@ -27,7 +27,7 @@ import optree
 import torch
 
 from ._backend import ops
-from ._dry_run import FusedAttention, Tracker, real_batch_leaf
+from ._dry_run import MetaFunctions, Tracker, real_batch_leaf
 from ._errors import SpecError
 from ._mesh import Mesh, _normalize_shape, local_mesh
 
@@ -233,7 +233,7 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
         with ops.meta_run():
             shards = step.shard_params(params)
             opt_state = optimizer.init(shards) if optimizer is not None else None
-            with FusedAttention(), tracker:
+            with MetaFunctions(), tracker:
                 step(shards, batch, *rest)  # learn the access order, as a training loop's first step does
                 state = step._state(step._plan_for(shards))
                 scratch = [0]

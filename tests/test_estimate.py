@@ -135,6 +135,22 @@ def _gpt(B=8, T=64):
     return loss_fn, params, make_batch, (((B, T), torch.long), ((B, T), torch.long))
 
 
+def _attention(B=4, H=4, T=512, D=32):
+    """Causal attention by F.scaled_dot_product_attention, which picks its kernel by device."""
+    g = torch.Generator().manual_seed(0)
+    params = {"layers": [{"wq": torch.randn(D, D, generator=g), "wk": torch.randn(D, D, generator=g)}]}
+
+    def loss_fn(p, x):  # x: (B, H, T, D)
+        for layer in p["layers"]:
+            x = torch.nn.functional.scaled_dot_product_attention(x @ layer["wq"], x @ layer["wk"], x, is_causal=True)
+        return x.square().mean()
+
+    def make_batch(rank):
+        return torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(rank))
+
+    return loss_fn, params, make_batch, torch.Size([B, H, T, D])
+
+
 def _check(case, n, optimizer=None, use_func=False, **options):
     loss_fn, params, make_batch, batch_shapes = case
     est = sf.estimate(loss_fn, params, batch_shapes, {"data": n}, optimizer=optimizer, use_func=use_func, **options)
@@ -171,6 +187,15 @@ def test_gpt_matches_the_real_step_on_two_ranks(use_func):
 
 def test_gpt_matches_the_real_step_on_four_ranks():
     _check(_gpt(), 4, optimizer=sf.optim.adamw(1e-3))
+
+
+@pytest.mark.parametrize("use_func", [False, True], ids=["train_step", "torch.func"])
+def test_attention_is_counted_as_the_fused_kernel_the_device_runs(use_func):
+    # on meta tensors sdpa would take the math path and count (B, H, T, T) scores, 16 MiB here,
+    # on top of the rest; the CPU's flash kernel (like CUDA's) keeps the output and its
+    # log-sum-exp, and its backward a query-sized fp32 buffer while it runs
+    est, real = _check(_attention(), 1, use_func=use_func)
+    assert est.peak_activation_bytes < 4 * 4 * 512 * 512 * 4
 
 
 def test_recomputation_is_measured_as_written():
