@@ -111,6 +111,8 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
 def _run_real_or_meta(func, args, kwargs):
     """An op without meta arguments: for real when it allocates at most REAL_BYTES."""
     device, real = kwargs.get("device"), _tensors(args)
+    if not real and device is not None and torch.device(device).type == "meta":  # a meta factory
+        return func(*args, **kwargs)
     if real and device is not None and torch.device(device).type == "meta" and not any(
             x.is_floating_point() or x.is_complex() for x in real):  # integer values stay where they are
         kwargs = {**kwargs, "device": real[0].device}

@@ -1,9 +1,11 @@
 """`sf.estimate`: will it fit? A dry run of a `shard` step on meta tensors.
 
 The step runs for real, schedule, autograd and all, on a simulated mesh of the target
-size, but every tensor is a meta tensor (a shape and a dtype, no data) and every
-collective returns at once ([Note: meta tensors] in `_backend/ops.py`). What a rank would
-hold is then counted, not guessed:
+size, but parameters and activations are meta tensors (a shape and a dtype, no data) and
+every collective returns at once ([Note: meta tensors] in `_backend/ops.py`); integer and
+bool batch leaves, and what is computed from them alone (masks, positions), keep their
+values, so code that branches on them takes the real step's path ([Note: what runs for
+real in a dry run] in `_dry_run.py`). What a rank would hold is then counted, not guessed:
 
 - parameter shards, gradient shards and optimizer state: the bytes of the trees the step
   and `optimizer.init` return;
@@ -179,7 +181,10 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
       params_or_shapes: the full (unsharded) parameter tree: real tensors, meta tensors, or
         shapes (`torch.Size` / tuples of ints, in `dtype`) or `(shape, dtype)` pairs.
       batch_shapes: one rank's local batch, in the same forms (shapes in `batch_dtype`,
-        default `dtype`; e.g. `((8, 128), torch.long)` for token ids).
+        default `dtype`; e.g. `((8, 128), torch.long)` for token ids). Integer and bool
+        leaves keep values: real tensors as given, shapes filled with ones (token id 1, an
+        attention mask without padding); give a real tensor when the values steer the
+        program (a padded mask). Floating-point leaves are meta.
       mesh_shape: the target mesh, e.g. `{"data": 8}` or `8` (at most 16 ranks).
       optimizer: an `sf.optim` transformation; its `init` runs on the meta shards.
       dtype: the dtype of parameter leaves given as bare shapes.
@@ -198,6 +203,11 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
       `reduce_scatter_bytes`, `all_reduce_bytes`, `num_collectives` and `total`, each the
       largest over the ranks (they differ only where a dim does not divide evenly);
       `print(est)` shows a table.
+
+    Raises:
+      SpecError: a leaf is no tensor, shape or (shape, dtype) pair; `param_specs` was
+        given; or the step needs a value the dry run does not have (`.item()` of an
+        activation, `nonzero` of a parameter, ...): the error names the op.
 
     Example:
       >>> import shardfn as sf, torch

@@ -198,6 +198,58 @@ def test_attention_is_counted_as_the_fused_kernel_the_device_runs(use_func):
     assert est.peak_activation_bytes < 4 * 4 * 512 * 512 * 4
 
 
+def _masked_tokens(B=8, T=256, D=256, V=64, pad=True):
+    """Token ids and a mask whose sum sizes the activations: a data-dependent program."""
+    g = torch.Generator().manual_seed(0)
+    params = {"layers": [{"emb": torch.randn(V, D, generator=g)}, {"w": torch.randn(D, D, generator=g) / 16}]}
+    mask = torch.ones(B, T, dtype=torch.long)
+    if pad:
+        mask[:, T // 4:] = 0  # three quarters padding
+
+    def loss_fn(p, batch):
+        ids, mask = batch
+        keep = int(mask.sum())  # .item() of an integer batch leaf: a real value in the dry run
+        x = p["layers"][0]["emb"][ids.flatten()[:keep]]  # (keep, D)
+        return torch.tanh(x @ p["layers"][1]["w"]).square().mean()
+
+    def make_batch(rank):
+        return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(rank)), mask
+
+    return loss_fn, params, make_batch, (((B, T), torch.long), mask)
+
+
+def test_integer_batch_values_steer_the_dry_run_as_the_real_step():
+    est, real = _check(_masked_tokens(), 2)
+    loss_fn, params, _, shapes = _masked_tokens(pad=False)
+    ones = sf.estimate(loss_fn, params, (shapes[0], shapes[0]), 2)
+    # a batch given as shapes is filled with ones: nothing padded, four times the tokens
+    assert ones.peak_activation_bytes > 3 * est.peak_activation_bytes
+
+
+def test_a_value_computed_from_an_activation_is_refused_with_the_op_named():
+    def loss_fn(p, x):
+        h = x @ p["w"]
+        counts = torch.zeros(4, dtype=torch.long)  # a real tensor...
+        counts.copy_(h[0, :4].long())  # ...written from an activation: its values are unknown now
+        if counts.sum().item() > 0:
+            h = h * 2
+        return h.square().mean()
+
+    with pytest.raises(sf.SpecError, match=r"(?s)sf.estimate: aten._local_scalar_dense.default needs the values of "
+                                           r"its inputs \(meta torch.int64 \(\)\).*\nFix: compute the value from "
+                                           r"integer or bool batch leaves"):
+        sf.estimate(loss_fn, {"w": torch.Size([8, 8])}, torch.Size([4, 8]), 2)
+
+
+def test_a_large_value_computed_from_the_batch_stays_meta():
+    def loss_fn(p, batch):
+        wide = batch[..., None].repeat(1, 1, 2 ** 16)  # (4, 64, 65536) int64: 128 MiB, above REAL_BYTES
+        return (p["w"] * wide.sum(-1).float()).mean()
+
+    est = sf.estimate(loss_fn, {"w": torch.Size([4, 64])}, ((4, 64), torch.long), 1)
+    assert est.peak_activation_bytes >= 4 * 64 * 2 ** 16 * 8  # counted, never allocated
+
+
 def test_recomputation_is_measured_as_written():
     loss_fn, params, make_batch, batch_shapes = _mlp_remat()
     est, _ = _check((loss_fn, params, make_batch, batch_shapes), 2)
