@@ -88,14 +88,17 @@ def real_batch_leaf(x: torch.Tensor) -> torch.Tensor:
 
 def _data_dependent(func, args, kwargs, error: Exception) -> SpecError:
     return SpecError(
-        f"sf.estimate: {func} needs the values of its inputs ({_describe(_tensors((args, kwargs)))}), but in the "
-        f"dry run they are meta tensors (computed from parameters, activations or floating-point batch leaves): "
-        f"the step's memory depends on data the estimate does not have ({type(error).__name__}: "
-        f"{str(error).splitlines()[0]}).\n"
+        f"sf.estimate: {func} cannot run in the dry run: its inputs ({_describe(_tensors((args, kwargs)))}) are "
+        f"meta tensors (computed from parameters, activations or floating-point batch leaves), and it needs "
+        f"their values or has no meta kernel ({type(error).__name__}: {str(error).splitlines()[0]}).\n"
         f"Fix: compute the value from integer or bool batch leaves, which run for real (pass them in batch_shapes "
         f"as real tensors holding representative values, or as shapes: filled with ones), or take the branch "
         f"without data-dependent code (e.g. a fixed size instead of .item()) when estimating."
     )
+
+
+# what torch says when an op cannot run on meta tensors (`.item()`, no meta kernel, nonzero)
+_NO_META = ("meta tensor", "meta kernel", "'meta' backend", "data-independent", "data-dependent")
 
 
 def _written(func, args, kwargs) -> list[torch.Tensor]:
@@ -167,11 +170,9 @@ class Tracker(TorchDispatchMode):
             args, kwargs = optree.tree_map(_as_meta, (args, kwargs))
             try:
                 out = func(*args, **kwargs)
-            except NotImplementedError as e:
-                raise _data_dependent(func, args, kwargs, e) from e
-            except RuntimeError as e:
-                if "meta" not in str(e).lower():
-                    raise
+            except (RuntimeError, NotImplementedError) as e:
+                if not any(m in str(e).lower() for m in _NO_META):
+                    raise  # the program's own error (a shape mismatch, ...), as the real step would raise it
                 raise _data_dependent(func, args, kwargs, e) from e
         else:
             out = _run_real_or_meta(func, args, kwargs)

@@ -235,10 +235,19 @@ def test_a_value_computed_from_an_activation_is_refused_with_the_op_named():
             h = h * 2
         return h.square().mean()
 
-    with pytest.raises(sf.SpecError, match=r"(?s)sf.estimate: aten._local_scalar_dense.default needs the values of "
-                                           r"its inputs \(meta torch.int64 \(\)\).*\nFix: compute the value from "
+    with pytest.raises(sf.SpecError, match=r"(?s)sf.estimate: aten._local_scalar_dense.default cannot run in the "
+                                           r"dry run: its inputs \(meta torch.int64 \(\)\) are meta.*\nFix: compute the value from "
                                            r"integer or bool batch leaves"):
         sf.estimate(loss_fn, {"w": torch.Size([8, 8])}, torch.Size([4, 8]), 2)
+
+
+def test_the_programs_own_errors_pass_through():
+    def loss_fn(p, x):
+        return (x @ p["w"].T[:3]).sum()  # (4, 8) @ (3, 8): a shape error, the real step's too
+
+    with pytest.raises(RuntimeError, match="same reduction dim") as info:
+        sf.estimate(loss_fn, {"w": torch.Size([8, 8])}, torch.Size([4, 8]), 1)
+    assert not isinstance(info.value, sf.SpecError)
 
 
 def test_a_large_value_computed_from_the_batch_stays_meta():

@@ -121,6 +121,6 @@ def test_code_that_needs_an_activations_value_is_named():
         return loss
 
     tokens = ((B, T), torch.long)
-    with pytest.raises(sf.SpecError, match=r"(?s)sf.estimate: aten._local_scalar_dense.default needs the values "
-                                           r"of its inputs \(meta torch.float32 \(\)\).*Fix: "):
+    with pytest.raises(sf.SpecError, match=r"(?s)sf.estimate: aten._local_scalar_dense.default cannot run in the "
+                                           r"dry run: its inputs \(meta torch.float32 \(\)\) are meta.*Fix: "):
         sf.estimate(loss_fn, params, dict(input_ids=tokens, labels=tokens), 2)
