@@ -201,7 +201,12 @@ def tree_bytes(tree) -> int:
 
 
 class Progress:
-    """A tqdm bar when tqdm is installed, else a plain line every `every` steps."""
+    """A tqdm bar when tqdm is installed, else a plain line every `every` steps.
+
+    `state+gathered/rank` is what rank 0 holds besides activations: its parameter shards,
+    their gradients and the AdamW state, plus the most gathered (unsharded) parameters the
+    last step held at once. The step's whole peak (activations included) is planned by
+    sf.estimate before training and measured by sf.measure_memory."""
 
     def __init__(self, total: int, initial: int, enabled: bool, every: int = 10):
         self.enabled, self.every, self.bar = enabled, every, None
@@ -213,14 +218,15 @@ class Progress:
             except ImportError:
                 pass
 
-    def update(self, step: int, total: int, loss: float, tok_s: float, mem: float) -> None:
+    def update(self, step: int, total: int, loss: float, tok_s: float, held: float) -> None:
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.3f}  {tok_s:,.0f} tok/s  mem/rank {mem / 1e6:.2f} MB")
+            self.bar.set_postfix_str(f"loss {loss:.3f}  {tok_s:,.0f} tok/s  state+gathered/rank {held / 1e6:.2f} MB")
             self.bar.update(1)
         elif step % self.every == 0 or step == total - 1:
-            print(f"step {step:4d}/{total}  loss {loss:.4f}  {tok_s:8,.0f} tok/s  mem/rank {mem / 1e6:.2f} MB", flush=True)
+            print(f"step {step:4d}/{total}  loss {loss:.4f}  {tok_s:8,.0f} tok/s  "
+                  f"state+gathered/rank {held / 1e6:.2f} MB", flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -287,8 +293,8 @@ def train(mesh, cfg: Config, args, apply_fn, params, data):
         shards, opt_state, loss = train_step(shards, opt_state, batch)
         dt = time.perf_counter() - t0
         losses.append(loss.item())
-        mem = static_bytes + step.stats()["peak_gathered_bytes"]
-        progress.update(it, cfg.steps, losses[-1], tokens / dt, mem)
+        held = static_bytes + step.stats()["peak_gathered_bytes"]  # activations not included
+        progress.update(it, cfg.steps, losses[-1], tokens / dt, held)
         if args.ckpt_dir and ((it + 1) % cfg.ckpt_every == 0 or it + 1 == cfg.steps):
             if pending is not None:
                 pending.wait()  # collective: the previous save is published before the next starts

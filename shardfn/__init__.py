@@ -32,6 +32,8 @@ from ._fsdp import MixedPrecision as MixedPrecision
 from ._fsdp import Shard as Shard
 from ._fsdp import shard as shard
 from ._functional import functional as functional
+from ._memory import MemoryReport as MemoryReport
+from ._memory import measure_memory as measure_memory
 from ._mesh import Mesh as Mesh
 from ._mesh import init_mesh as init_mesh
 from ._mesh import local_mesh as local_mesh
@@ -52,6 +54,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "DesyncError",
     "Estimate",
+    "MemoryReport",
     "Mesh",
     "MixedPrecision",
     "NonFiniteError",
@@ -73,6 +76,7 @@ __all__ = [
     "init",
     "init_mesh",
     "local_mesh",
+    "measure_memory",
     "optim",
     "pmax",
     "pmean",

@@ -1,9 +1,11 @@
 """`sf.estimate`: will it fit? A dry run of a `shard` step on meta tensors.
 
 The step runs for real, schedule, autograd and all, on a simulated mesh of the target
-size, but every tensor is a meta tensor (a shape and a dtype, no data) and every
-collective returns at once ([Note: meta tensors] in `_backend/ops.py`). What a rank would
-hold is then counted, not guessed:
+size, but parameters and activations are meta tensors (a shape and a dtype, no data) and
+every collective returns at once ([Note: meta tensors] in `_backend/ops.py`); integer and
+bool batch leaves, and what is computed from them alone (masks, positions), keep their
+values, so code that branches on them takes the real step's path ([Note: what runs for
+real in a dry run] in `_dry_run.py`). What a rank would hold is then counted, not guessed:
 
 - parameter shards, gradient shards and optimizer state: the bytes of the trees the step
   and `optimizer.init` return;
@@ -21,14 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from typing import Callable
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._backend import ops
+from ._dry_run import MetaFunctions, Tracker, real_batch_leaf
 from ._errors import SpecError
 from ._mesh import Mesh, _normalize_shape, local_mesh
 
@@ -114,12 +115,16 @@ def _is_leaf(x) -> bool:
     return isinstance(x, tuple) and len(x) > 0 and _is_shape(x)
 
 
-def _meta_tree(tree, dtype: torch.dtype, what: str):
-    """Tensors, `torch.Size` / tuples of ints (in `dtype`) or `(shape, dtype)` -> meta tensors."""
+def _meta_tree(tree, dtype: torch.dtype, what: str, batch: bool = False):
+    """Tensors, `torch.Size` / tuples of ints (in `dtype`) or `(shape, dtype)` -> meta tensors
+    (a `batch`'s integer and bool leaves real: [Note: what runs for real in a dry run])."""
 
     def leaf(path, x):
+        return real_batch_leaf(meta_leaf(path, x)) if batch else meta_leaf(path, x)
+
+    def meta_leaf(path, x):
         if isinstance(x, torch.Tensor):
-            return torch.empty_like(x, device="meta")
+            return x if batch else torch.empty_like(x, device="meta")
         if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype) and _is_shape(x[0]):
             return torch.empty(tuple(x[0]), dtype=x[1], device="meta")
         if _is_shape(x):
@@ -155,85 +160,6 @@ def _meta_mesh(items: tuple) -> _MetaMesh:
     return _MetaMesh(local_mesh(dict(items))._backend)
 
 
-def _as_meta(x):
-    """A model's real buffers (e.g. a causal mask) meet meta activations: make them meta."""
-    return x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta else x
-
-
-class _Tracker(TorchDispatchMode):
-    """Live bytes of the storages the ops of this thread create; peaks while `recording`.
-
-    A storage is new when no input of the op shares it (views, in-place and `out=` ops
-    return their inputs' storage). `extra()` gives the bytes held outside op outputs (the
-    units' unsharded buffers) and `gathered()` those the schedule counts as gathered."""
-
-    def __init__(self):
-        super().__init__()
-        self.recording = False
-        self.live = 0
-        self.keys: dict[int, int] = {}  # storage -> bytes, of those created while recording
-        self.exclude: set[int] = set()
-        self.extra: Callable[[], int] = lambda: 0
-        self.gathered: Callable[[], int] = lambda: 0
-        self.peak_step = self.peak_rest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        mixed = any(isinstance(x, torch.Tensor) and x.is_meta for x in optree.tree_leaves((args, kwargs or {})))
-        if mixed:
-            args, kwargs = optree.tree_map(_as_meta, (args, kwargs or {}))
-        out = func(*args, **(kwargs or {}))
-        if self.recording:
-            inputs = {x.untyped_storage()._cdata for x in optree.tree_leaves((args, kwargs or {}))
-                      if isinstance(x, torch.Tensor)}
-            for t in optree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self._see(t, inputs)
-            self.sample()
-        return out
-
-    def _see(self, t: torch.Tensor, inputs: set[int]) -> None:
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in inputs or key in self.keys or key in self.exclude:
-            return
-        n = storage.nbytes()
-        self.keys[key] = n
-        self.live += n
-        weakref.finalize(storage, self._free, key, n)
-
-    def _free(self, key: int, n: int) -> None:
-        self.keys.pop(key, None)
-        self.live -= n
-
-    def watch(self, state) -> None:
-        """Start recording a step of `state` (a `RankState` whose units have their buffers
-        from an earlier call): its units' unsharded buffers are counted while they hold
-        storage, and every change of its gathered bytes is a moment to sample."""
-        units = state.units
-        self.exclude = {u._full_data.untyped_storage()._cdata for u in units if u._full_data is not None}
-        self.extra = lambda: sum(u.nbytes for u in units if u.full_held)
-        self.gathered = lambda: state.stats.live
-        hold = state.stats.hold
-
-        def hold_and_sample(nbytes: int) -> None:
-            hold(nbytes)
-            self.sample()
-
-        state.stats.hold = hold_and_sample  # this instance only
-        self.recording = True
-
-    def unwatch(self, state) -> None:
-        self.recording = False
-        del state.stats.hold
-
-    def sample(self) -> None:
-        if not self.recording:
-            return
-        total = self.live + self.extra() + ops.meta_in_flight()  # gloo's copy of each collective in flight
-        self.peak_step = max(self.peak_step, total)
-        self.peak_rest = max(self.peak_rest, total - self.gathered())
-
-
 def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, optimizer=None,
              dtype: torch.dtype = torch.float32, batch_dtype: torch.dtype | None = None, rest: tuple = (),
              use_func: bool = False, **shard_options) -> Estimate:
@@ -255,7 +181,10 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
       params_or_shapes: the full (unsharded) parameter tree: real tensors, meta tensors, or
         shapes (`torch.Size` / tuples of ints, in `dtype`) or `(shape, dtype)` pairs.
       batch_shapes: one rank's local batch, in the same forms (shapes in `batch_dtype`,
-        default `dtype`; e.g. `((8, 128), torch.long)` for token ids).
+        default `dtype`; e.g. `((8, 128), torch.long)` for token ids). Integer and bool
+        leaves keep values: real tensors as given, shapes filled with ones (token id 1, an
+        attention mask without padding); give a real tensor when the values steer the
+        program (a padded mask). Floating-point leaves are meta.
       mesh_shape: the target mesh, e.g. `{"data": 8}` or `8` (at most 16 ranks).
       optimizer: an `sf.optim` transformation; its `init` runs on the meta shards.
       dtype: the dtype of parameter leaves given as bare shapes.
@@ -274,6 +203,11 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
       `reduce_scatter_bytes`, `all_reduce_bytes`, `num_collectives` and `total`, each the
       largest over the ranks (they differ only where a dim does not divide evenly);
       `print(est)` shows a table.
+
+    Raises:
+      SpecError: a leaf is no tensor, shape or (shape, dtype) pair; `param_specs` was
+        given; or the step needs a value the dry run does not have (`.item()` of an
+        activation, `nonzero` of a parameter, ...): the error names the op.
 
     Example:
       >>> import shardfn as sf, torch
@@ -299,17 +233,17 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
         )
     shape = _normalize_shape({"data": mesh_shape} if isinstance(mesh_shape, int) else mesh_shape, None)
     params = _meta_tree(params_or_shapes, dtype, "params_or_shapes")
-    batch = _meta_tree(batch_shapes, batch_dtype or dtype, "batch_shapes")
+    batch = _meta_tree(batch_shapes, batch_dtype or dtype, "batch_shapes", batch=True)
     mesh = _meta_mesh(tuple(shape.items()))
     step = shard(loss_fn, mesh, **shard_options)
     grad_and_value = torch.func.grad_and_value(step, has_aux=step.config.has_aux) if use_func else step.grad_and_value
 
     def body():
-        tracker = _Tracker()
+        tracker = Tracker()
         with ops.meta_run():
             shards = step.shard_params(params)
             opt_state = optimizer.init(shards) if optimizer is not None else None
-            with tracker:
+            with MetaFunctions(), tracker:
                 step(shards, batch, *rest)  # learn the access order, as a training loop's first step does
                 state = step._state(step._plan_for(shards))
                 scratch = [0]

@@ -135,6 +135,22 @@ def _gpt(B=8, T=64):
     return loss_fn, params, make_batch, (((B, T), torch.long), ((B, T), torch.long))
 
 
+def _attention(B=4, H=4, T=512, D=32):
+    """Causal attention by F.scaled_dot_product_attention, which picks its kernel by device."""
+    g = torch.Generator().manual_seed(0)
+    params = {"layers": [{"wq": torch.randn(D, D, generator=g), "wk": torch.randn(D, D, generator=g)}]}
+
+    def loss_fn(p, x):  # x: (B, H, T, D)
+        for layer in p["layers"]:
+            x = torch.nn.functional.scaled_dot_product_attention(x @ layer["wq"], x @ layer["wk"], x, is_causal=True)
+        return x.square().mean()
+
+    def make_batch(rank):
+        return torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(rank))
+
+    return loss_fn, params, make_batch, torch.Size([B, H, T, D])
+
+
 def _check(case, n, optimizer=None, use_func=False, **options):
     loss_fn, params, make_batch, batch_shapes = case
     est = sf.estimate(loss_fn, params, batch_shapes, {"data": n}, optimizer=optimizer, use_func=use_func, **options)
@@ -171,6 +187,76 @@ def test_gpt_matches_the_real_step_on_two_ranks(use_func):
 
 def test_gpt_matches_the_real_step_on_four_ranks():
     _check(_gpt(), 4, optimizer=sf.optim.adamw(1e-3))
+
+
+@pytest.mark.parametrize("use_func", [False, True], ids=["train_step", "torch.func"])
+def test_attention_is_counted_as_the_fused_kernel_the_device_runs(use_func):
+    # on meta tensors sdpa would take the math path and count (B, H, T, T) scores, 16 MiB here,
+    # on top of the rest; the CPU's flash kernel (like CUDA's) keeps the output and its
+    # log-sum-exp, and its backward a query-sized fp32 buffer while it runs
+    est, real = _check(_attention(), 1, use_func=use_func)
+    assert est.peak_activation_bytes < 4 * 4 * 512 * 512 * 4
+
+
+def _masked_tokens(B=8, T=256, D=256, V=64, pad=True):
+    """Token ids and a mask whose sum sizes the activations: a data-dependent program."""
+    g = torch.Generator().manual_seed(0)
+    params = {"layers": [{"emb": torch.randn(V, D, generator=g)}, {"w": torch.randn(D, D, generator=g) / 16}]}
+    mask = torch.ones(B, T, dtype=torch.long)
+    if pad:
+        mask[:, T // 4:] = 0  # three quarters padding
+
+    def loss_fn(p, batch):
+        ids, mask = batch
+        keep = int(mask.sum())  # .item() of an integer batch leaf: a real value in the dry run
+        x = p["layers"][0]["emb"][ids.flatten()[:keep]]  # (keep, D)
+        return torch.tanh(x @ p["layers"][1]["w"]).square().mean()
+
+    def make_batch(rank):
+        return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(rank)), mask
+
+    return loss_fn, params, make_batch, (((B, T), torch.long), mask)
+
+
+def test_integer_batch_values_steer_the_dry_run_as_the_real_step():
+    est, real = _check(_masked_tokens(), 2)
+    loss_fn, params, _, shapes = _masked_tokens(pad=False)
+    ones = sf.estimate(loss_fn, params, (shapes[0], shapes[0]), 2)
+    # a batch given as shapes is filled with ones: nothing padded, four times the tokens
+    assert ones.peak_activation_bytes > 3 * est.peak_activation_bytes
+
+
+def test_a_value_computed_from_an_activation_is_refused_with_the_op_named():
+    def loss_fn(p, x):
+        h = x @ p["w"]
+        counts = torch.zeros(4, dtype=torch.long)  # a real tensor...
+        counts.copy_(h[0, :4].long())  # ...written from an activation: its values are unknown now
+        if counts.sum().item() > 0:
+            h = h * 2
+        return h.square().mean()
+
+    with pytest.raises(sf.SpecError, match=r"(?s)sf.estimate: aten._local_scalar_dense.default cannot run in the "
+                                           r"dry run: its inputs \(meta torch.int64 \(\)\) are meta.*\nFix: compute the value from "
+                                           r"integer or bool batch leaves"):
+        sf.estimate(loss_fn, {"w": torch.Size([8, 8])}, torch.Size([4, 8]), 2)
+
+
+def test_the_programs_own_errors_pass_through():
+    def loss_fn(p, x):
+        return (x @ p["w"].T[:3]).sum()  # (4, 8) @ (3, 8): a shape error, the real step's too
+
+    with pytest.raises(RuntimeError, match="same reduction dim") as info:
+        sf.estimate(loss_fn, {"w": torch.Size([8, 8])}, torch.Size([4, 8]), 1)
+    assert not isinstance(info.value, sf.SpecError)
+
+
+def test_a_large_value_computed_from_the_batch_stays_meta():
+    def loss_fn(p, batch):
+        wide = batch[..., None].repeat(1, 1, 2 ** 16)  # (4, 64, 65536) int64: 128 MiB, above REAL_BYTES
+        return (p["w"] * wide.sum(-1).float()).mean()
+
+    est = sf.estimate(loss_fn, {"w": torch.Size([4, 64])}, ((4, 64), torch.long), 1)
+    assert est.peak_activation_bytes >= 4 * 64 * 2 ** 16 * 8  # counted, never allocated
 
 
 def test_recomputation_is_measured_as_written():
@@ -327,5 +413,6 @@ def test_the_docs_table_is_what_the_script_prints(tmp_path):
     remat = [sf.Estimate(**{k: v for k, v in r["remat"].items() if k != "total"}) for r in rows]
     assert will_it_fit.page_table() == will_it_fit.markdown_table(estimates, remat), (
         "docs/howto/will-it-fit.md is stale: run python -m benchmarks.will_it_fit --write")
-    for est, rem in zip(estimates, remat):  # every block recomputed: far fewer activations
-        assert rem.peak_activation_bytes < 0.5 * est.peak_activation_bytes
+    for est, rem in zip(estimates, remat):  # every block recomputed: the blocks' saved activations go, the
+        # (B, T, vocab) logits and their loss remain (attention is fused: no (B, H, T, T) scores either way)
+        assert rem.peak_activation_bytes < 0.75 * est.peak_activation_bytes

@@ -99,6 +99,22 @@ def test_train_gpt_tiny_smoke(tmp_path):
     assert run["png"].exists() and run["png"].stat().st_size > 1000  # matplotlib: a test extra
 
 
+def test_train_gpt_progress_says_what_its_memory_column_counts(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt", os.path.join(EXAMPLES, "train_gpt.py"))
+    train_gpt_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_gpt_module)
+    progress = train_gpt_module.Progress(total=10, initial=0, enabled=True, every=1)
+    if progress.bar is not None:  # tqdm installed: print the plain line instead
+        progress.bar.close()
+        progress.bar = None
+    progress.update(3, 10, loss=2.5, tok_s=1000.0, held=1.5e6)
+    line = capsys.readouterr().out
+    assert "state+gathered/rank 1.50 MB" in line and "mem/rank" not in line
+    assert "activations" in train_gpt_module.Progress.__doc__  # the docstring says what is left out
+
+
 def test_train_gpt_tiny_hsdp_bf16(tmp_path):
     run = train_gpt(tmp_path, "--tiny", "--steps", "12", "--mesh", "hsdp", "--bf16")
     losses = run["losses"]

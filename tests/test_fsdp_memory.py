@@ -1,4 +1,4 @@
-"""`stats()["peak_gathered_bytes"]` against what torch.profiler sees allocated.
+"""`stats()["peak_gathered_bytes"]` against what `sf.measure_memory` sees allocated.
 
 The case is the one a new user tried: a 16-layer 512x512 tanh MLP (16 MiB of fp32
 weights), world 2, `reshard_after_forward=True, prefetch=1`, the forward under
@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import shardfn as sf
-from allocations import net_and_peak
 from shardfn.testing import run_on_mesh
 
 MiB = 2 ** 20
@@ -46,13 +44,13 @@ def _measure(bias: bool):
         shards = step.shard_params(params)
         x = torch.randn(B, D, generator=torch.Generator().manual_seed(mesh.rank))
         step(shards, x)  # learn the order, so that the measured call prefetches
-        measured = mesh.rank == 0  # one profiler per process: rank 0's thread on the simulated mesh
+        measured = mesh.rank == 0  # one measurement per process: rank 0's thread on the simulated mesh
         if measured:
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with sf.measure_memory("cpu") as m:
                 loss, _ = torch.func.vjp(lambda s: step(s, x), shards)
         else:
             loss, _ = torch.func.vjp(lambda s: step(s, x), shards)
-        peak = net_and_peak(prof)[1] if measured else None
+        peak = m.peak_bytes if measured else None
         return peak, step.stats()["peak_gathered_bytes"]
 
     return body
