@@ -14,6 +14,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from .. import _tree
+from .._backend import ops
 from .._compile import WHOLE_STEP, not_traced
 from .._agree import check_same_everywhere
 from .._collectives import binding, bound_mesh
