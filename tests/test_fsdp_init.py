@@ -58,13 +58,6 @@ def _one_unit_per_leaf(path):
     return path
 
 
-def _assert_trees_equal(a, b):
-    pa, la, ta = optree.tree_flatten_with_path(a)
-    pb, lb, tb = optree.tree_flatten_with_path(b)
-    assert ta == tb
-    for path, x, y in zip(pa, la, lb):
-        assert x.dtype == y.dtype and x.shape == y.shape, path
-        assert torch.equal(x, y), f"{path}: values differ"
 
 
 # -- N-independence -------------------------------------------------------------------------
@@ -80,8 +73,8 @@ def test_unsharded_init_shards_equal_materialize_at_every_world_size(n):
     def body():
         shards = step.init_shards(desc, seed=1234)
         reference = step.shard_params(full)  # shard_params' layout of the same tree
-        _assert_trees_equal(shards, reference)
-        _assert_trees_equal(step.unshard_params(shards), full)
+        sf.testing.assert_trees_equal(shards, reference)
+        sf.testing.assert_trees_equal(step.unshard_params(shards), full)
         return tuple(shards["embed"].shape)
 
     rows = [math.ceil(300 / n)] * n
@@ -97,11 +90,11 @@ def test_processes_draw_the_same_tree():
     def body(mesh):
         step = sf.shard(_loss, mesh, units=_one_unit_per_leaf)
         shards = step.init_shards(desc, seed=9)
-        _assert_trees_equal(shards, step.shard_params(full))
+        sf.testing.assert_trees_equal(shards, step.shard_params(full))
         return step.unshard_params(shards)
 
     for unsharded in run_on_mesh(body, {"data": 2}, "distributed"):
-        _assert_trees_equal(unsharded, full)
+        sf.testing.assert_trees_equal(unsharded, full)
 
 
 def test_a_function_description_runs_on_the_meta_device_and_seeds_matter():
@@ -112,7 +105,7 @@ def test_a_function_description_runs_on_the_meta_device_and_seeds_matter():
         return description()
 
     a = I.materialize(init_fn, seed=0)
-    _assert_trees_equal(a, I.materialize(description(), seed=0))
+    sf.testing.assert_trees_equal(a, I.materialize(description(), seed=0))
     assert seen == ["meta"]
     b = I.materialize(description(), seed=1)
     assert not torch.equal(a["embed"], b["embed"])
@@ -154,9 +147,9 @@ def test_tensor_parallel_blocks_are_drawn_in_place(shape):
     def body():
         shards = step.init_shards(desc, seed=7)
         specs = step.specs  # the layout init_shards reports is shard_params'
-        _assert_trees_equal(shards, step.shard_params(full))
+        sf.testing.assert_trees_equal(shards, step.shard_params(full))
         assert step.specs == specs
-        _assert_trees_equal(step.unshard_params(shards), full)
+        sf.testing.assert_trees_equal(step.unshard_params(shards), full)
         return True
 
     assert all(mesh.run(body))
@@ -170,8 +163,8 @@ def test_hsdp_replicas_draw_the_same_shards():
     full = I.materialize(desc, seed=3)
     out = mesh.run(lambda: (step.init_shards(desc, seed=3), step.unshard_params(step.init_shards(desc, seed=3))))
     for shards, unsharded in out:
-        _assert_trees_equal(unsharded, full)
-    _assert_trees_equal(out[0][0], out[2][0])  # same shard coordinate, other replica
+        sf.testing.assert_trees_equal(unsharded, full)
+    sf.testing.assert_trees_equal(out[0][0], out[2][0])  # same shard coordinate, other replica
     assert out[0][0]["w"].shape == (5, 4) and out[0][0]["b"].shape == (4,)
 
 
@@ -228,7 +221,7 @@ def test_gpt_init_shards_are_world_size_independent(n):
     apply_fn, _ = sf.functional(GPT(CFG))
     step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
     for unsharded in mesh.run(lambda: step.unshard_params(step.init_shards(gpt_description, seed=5))):
-        _assert_trees_equal(unsharded, full)
+        sf.testing.assert_trees_equal(unsharded, full)
 
 
 def test_training_from_init_shards_equals_training_from_shard_params():
@@ -252,7 +245,7 @@ def test_training_from_init_shards_equals_training_from_shard_params():
         from_init = train(step.init_shards(gpt_description, seed=11))
         from_params = train(step.shard_params(full))
         assert torch.equal(from_init[0], from_params[0])
-        _assert_trees_equal(from_init[1], from_params[1])
+        sf.testing.assert_trees_equal(from_init[1], from_params[1])
         return from_init[0]
 
     losses = mesh.run(body)

@@ -70,13 +70,6 @@ def loaded_cpu_model(arch: str, params, dtype=torch.float32, **kw):
     return model
 
 
-def _assert_trees_equal(a, b):
-    pa, la, ta = optree.tree_flatten_with_path(a)
-    _, lb, tb = optree.tree_flatten_with_path(b)
-    assert ta == tb
-    for path, x, y in zip(pa, la, lb):
-        assert x.dtype == y.dtype and x.shape == y.shape, path
-        assert torch.equal(x, y), f"{path}: values differ"
 
 
 # -- bit for bit at every world size -------------------------------------------------------------
@@ -95,8 +88,8 @@ def test_init_shards_equal_materialize_bit_for_bit(arch, n):
 
     def body():
         shards = step.init_shards(description, seed=17)
-        _assert_trees_equal(shards, step.shard_params(full))
-        _assert_trees_equal(step.unshard_params(shards), full)
+        sf.testing.assert_trees_equal(shards, step.shard_params(full))
+        sf.testing.assert_trees_equal(step.unshard_params(shards), full)
         return sum(s.numel() for s in optree.tree_leaves(shards))
 
     held = mesh.run(body)
@@ -212,7 +205,7 @@ def test_one_sharded_training_step_from_init_shards_with_no_overrides(arch):
         return loss, step.unshard_params(shards)
 
     (loss, after), (loss1, after1) = mesh.run(body)
-    _assert_trees_equal(after, after1)
+    sf.testing.assert_trees_equal(after, after1)
     # The reference: transformers' CPU model from the same values, plain PyTorch AdamW, one process.
     start = I.materialize(I.from_module(model), seed=9)
     reference = loaded_cpu_model(arch, start, torch.float64)

@@ -66,11 +66,6 @@ def leaves(tree):
     return optree.tree_leaves(tree, namespace="shardfn")
 
 
-def assert_trees_equal(a, b):
-    assert optree.tree_structure(a, namespace="shardfn") == optree.tree_structure(b, namespace="shardfn")
-    for x, y in zip(leaves(a), leaves(b)):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert torch.equal(x, y)
 
 
 def header_bytes(path):
@@ -109,8 +104,8 @@ def test_load_shards_fsdp_equals_shard_params_and_reads_only_its_rows(saved, arc
         return shards, stats, step.shard_params(full), step.unshard_params(shards)
 
     for rank, (shards, stats, expected, back) in enumerate(mesh.run(body)):
-        assert_trees_equal(shards, expected)  # each rank: exactly shard_params' dim-0 chunks
-        assert_trees_equal(back, full)  # the round trip: the model's own tensors, bit for bit
+        sf.testing.assert_trees_equal(shards, expected)  # each rank: exactly shard_params' dim-0 chunks
+        sf.testing.assert_trees_equal(back, full)  # the round trip: the model's own tensors, bit for bit
         mine = sum(x.numel() for x in leaves(shards)) * item
         assert stats.data_bytes == mine == stats.wanted_bytes == stats.row_bytes, (rank, stats)
         assert stats.header_bytes == header_bytes(path)
@@ -152,8 +147,8 @@ def test_load_shards_tp_and_hsdp(saved, mesh_shape, kw, tmp_path):
         return shards, stats, step.shard_params(full), step.unshard_params(shards), saved_stats
 
     for shards, stats, expected, back, _ in mesh.run(body):
-        assert_trees_equal(shards, expected)
-        assert_trees_equal(back, full)
+        sf.testing.assert_trees_equal(shards, expected)
+        sf.testing.assert_trees_equal(back, full)
         # the bytes of the full rows its blocks lie in, computed from the shapes here
         rows = sum(shard.shape[0] * x[0].numel() * 4 for shard, x in zip(leaves(shards), leaves(full)))
         assert stats.row_bytes == rows
@@ -165,7 +160,7 @@ def test_load_shards_tp_and_hsdp(saved, mesh_shape, kw, tmp_path):
             assert stats.wanted_bytes == stats.data_bytes == stats.row_bytes
     # The export from those shards is the model itself.
     again = transformers.LlamaForCausalLM.from_pretrained(out)
-    assert_trees_equal(sf.functional(again)[1], full)
+    sf.testing.assert_trees_equal(sf.functional(again)[1], full)
 
 
 # -- export -> from_pretrained -> the same logits ------------------------------------------------
@@ -199,7 +194,7 @@ def test_export_trained_shards_loads_in_transformers_with_same_logits(saved, arc
     assert stats.peak_unit_bytes < stats.total_bytes  # gathered one unit at a time, never the whole model
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=spec[2])
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert_trees_equal(sf.functional(loaded)[1], trained)
+    sf.testing.assert_trees_equal(sf.functional(loaded)[1], trained)
     if spec[1].tie_word_embeddings:
         assert "lm_head.weight" not in index["weight_map"]
         assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
@@ -242,7 +237,7 @@ def test_bf16_checkpoint_into_fp32_master_shards_needs_cast(tmp_path):
     assert all(x.dtype == torch.float32 for x in leaves(shards))
     assert stats.data_bytes == sum(x.numel() for x in leaves(shards)) * 2  # read as bf16, cast after
     back = mesh.run(lambda: step.unshard_params(sf.hf.load_shards(step, str(tmp_path), like, cast=True)))[0]
-    assert_trees_equal(back, optree.tree_map(lambda x: x.float(), full, namespace="shardfn"))
+    sf.testing.assert_trees_equal(back, optree.tree_map(lambda x: x.float(), full, namespace="shardfn"))
 
 
 def test_base_model_checkpoint_loads_into_the_model_with_a_head(tmp_path):
@@ -255,7 +250,7 @@ def test_base_model_checkpoint_loads_into_the_model_with_a_head(tmp_path):
     mesh = mesh_for({"data": 2})
     step = sf.shard(lambda p, x: p["transformer"]["ln_f"]["weight"].sum(), mesh)
     back = mesh.run(lambda: step.unshard_params(sf.hf.load_shards(step, str(tmp_path), like)))[0]
-    assert_trees_equal(back["transformer"], sf.functional(base)[1])
+    sf.testing.assert_trees_equal(back["transformer"], sf.functional(base)[1])
 
 
 def test_tied_copy_in_the_file_is_accepted_with_tied(tmp_path, saved):
@@ -273,7 +268,7 @@ def test_tied_copy_in_the_file_is_accepted_with_tied(tmp_path, saved):
         mesh.run(lambda: sf.hf.load_shards(step, str(tmp_path), like))
     back = mesh.run(lambda: step.unshard_params(sf.hf.load_shards(step, str(tmp_path), like,
                                                                   tied=ckpt.tied_keys(model))))[0]
-    assert_trees_equal(back, sf.functional(model)[1])
+    sf.testing.assert_trees_equal(back, sf.functional(model)[1])
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -402,5 +397,5 @@ def test_load_and_export_on_two_processes(saved, tmp_path):
 
     for data_bytes, mine, back in run_on_mesh(body, {"data": 2}, "distributed"):
         assert data_bytes == mine
-        assert_trees_equal(back, full)
-    assert_trees_equal(sf.functional(transformers.LlamaForCausalLM.from_pretrained(out))[1], full)
+        sf.testing.assert_trees_equal(back, full)
+    sf.testing.assert_trees_equal(sf.functional(transformers.LlamaForCausalLM.from_pretrained(out))[1], full)

@@ -15,10 +15,14 @@ from ._multiprocess import RankProcessError as RankProcessError
 from ._multiprocess import run_multiprocess as run_multiprocess
 from ._reference import C as C
 from ._reference import shmap_reference as shmap_reference
+from ._trees import assert_trees_allclose as assert_trees_allclose
+from ._trees import assert_trees_equal as assert_trees_equal
 
 __all__ = [
     "BACKENDS",
     "C",
+    "assert_trees_allclose",
+    "assert_trees_equal",
     "ReferenceCheckError",
     "join_blocks",
     "join_tree",
