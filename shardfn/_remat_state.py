@@ -36,7 +36,9 @@ __all__ = ["Tracker", "Trace", "Recompute", "nested", "fingerprint", "check_outp
 # State that is not a tensor (a transformers `DynamicCache`'s lists, a Python counter, a
 # list a module appends to) cannot be snapshotted; its effect can be detected. The forward
 # records, under a torch-function mode (`Trace`), every torch function and Tensor method
-# the function calls with the shapes and dtypes of what it returns (tensors, sizes); the
+# the function calls that returns tensors, with their shapes and dtypes (attribute reads
+# and mode switches are left out: `_computes`), and every autograd.Function applied as
+# one call ([Note: an autograd.Function is one call]); the
 # recompute (`Recompute`) must make the same calls with the same signatures, all of them,
 # and its outputs must have the forward's values (`fingerprint`: per floating-point output,
 # the sum and the sum of absolute values in float64, compared with a tolerance by dtype;
@@ -162,7 +164,69 @@ def call_signature(out) -> tuple:
     return ()
 
 
-class Trace(TorchFunctionMode):
+# [Note: an autograd.Function is one call]
+# `Function.apply` takes two paths: outside torch.func (the remat forward, under no_grad)
+# its `forward` runs as Python code, whose torch calls a torch-function mode sees one by
+# one; under torch.func (the recompute, inside `torch.func.vjp`) it is one
+# `custom_function_call`, whose insides the mode does not see. Compared call by call, the
+# two runs of any block that applies a Function (shardfn's collectives, a fused kernel,
+# flash-attention) would differ. So while a `Trace` or `Recompute` is active on a thread,
+# `Function.apply` is one call on both paths: its class and the signature of its outputs,
+# with what runs inside it opaque (`nested`), as a remat call inside a remat'd function
+# is. The hook wraps `torch.autograd.Function.apply` once, on the first remat forward; on a
+# thread with no such mode it only calls the original.
+
+_active = threading.local()  # the innermost Trace / Recompute entered on this thread
+_hook_lock = threading.Lock()
+_original_apply = None
+
+
+def _install_apply_hook() -> None:
+    global _original_apply
+    with _hook_lock:
+        if _original_apply is not None:
+            return
+        function = torch.autograd.function.Function
+        _original_apply = function.apply.__func__
+
+        def apply(cls, *args, **kwargs):
+            mode = getattr(_active, "mode", None)
+            if mode is None or not _own(mode):
+                return _original_apply(cls, *args, **kwargs)
+            with nested():
+                out = _original_apply(cls, *args, **kwargs)
+            mode.function_applied(cls, out)
+            return out
+
+        apply.__doc__ = _original_apply.__doc__
+        function.apply = classmethod(apply)
+
+
+class _Tracked(TorchFunctionMode):
+    """A torch-function mode that `Function.apply` reports to ([Note: an autograd.Function is one call])."""
+
+    def __enter__(self):
+        _install_apply_hook()
+        self._outer = getattr(_active, "mode", None)
+        _active.mode = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _active.mode = self._outer
+        return super().__exit__(*exc)
+
+
+def _computes(out) -> bool:
+    """A call that makes tensors: what the comparison follows. Reads of a tensor's
+    attributes (`.shape`, `.dtype`) and switches (`set_grad_enabled`) are left out: code
+    may read them differently under torch.func (a library checking its transform level)
+    without computing anything else."""
+    if isinstance(out, torch.Tensor):
+        return True
+    return isinstance(out, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in out)
+
+
+class Trace(_Tracked):
     """Forward: every torch function `fn` calls, with its outputs' signature, in order.
     [Note: a recompute must be its forward]"""
 
@@ -173,12 +237,15 @@ class Trace(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if _own(self):
+        if _own(self) and _computes(out):
             self.calls.append((func, call_signature(out)))
         return out
 
+    def function_applied(self, cls, out) -> None:
+        self.calls.append((cls, call_signature(out)))
 
-class Recompute(TorchFunctionMode):
+
+class Recompute(_Tracked):
     """The recompute: each torch function call must be the forward's, with outputs of the
     same signature ([Note: a recompute must be its forward]), and each tensor the forward
     wrote is replaced by the same view of a scratch copy of its value before the forward
@@ -218,14 +285,19 @@ class Recompute(TorchFunctionMode):
         out = func(*args, **kwargs)
         if swapped and isinstance(out, torch.Tensor) and id(out) in swapped:
             out = swapped[id(out)]  # `x += 1` returns x, which Python then assigns: the real tensor, not its copy
-        if not _own(self):
-            return out
+        if _own(self) and _computes(out):
+            self._check(func, out)
+        return out
+
+    def function_applied(self, cls, out) -> None:
+        self._check(cls, out)
+
+    def _check(self, func, out) -> None:
         i, self.index = self.index, self.index + 1
         want = self.calls[i] if i < len(self.calls) else None
         got = (func, call_signature(out))
         if want is None or want[0] != func or want[1] != got[1]:  # != : `Tensor.shape.__get__` is new each time
             raise diverged(self.name, i, want, got)
-        return out
 
     def finish(self) -> None:
         """The recompute made all of the forward's calls."""
@@ -292,6 +364,8 @@ def _describe(func, sig) -> str:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
     if getattr(func, "__name__", None) == "__get__" and hasattr(func, "__self__"):  # a Tensor property
         name = f"Tensor.{func.__self__.__name__}"
+    if isinstance(func, type) and issubclass(func, torch.autograd.Function):
+        name = f"{func.__qualname__}.apply"
     if name.startswith("_VariableFunctionsClass."):  # torch.cat and the other builtins
         name = "torch." + name.split(".", 1)[1]
     elif getattr(func, "__module__", None) == "torch.nn.functional":

@@ -375,3 +375,41 @@ def test_state_read_through_another_dtype_view():
     got = torch.func.grad(lambda p: f(p, x).square().sum())(p)
     assert _maxdiff(got, torch.func.grad(lambda p: _block(p, x).square().sum())(p)) <= 1e-12  # read as before
     assert torch.equal(module.value, torch.ones(4, dtype=torch.float64))  # written once
+
+
+class _Scale(torch.autograd.Function):
+    """A user's Function whose forward reads attributes and switches grad mode (as
+    collectives and fused kernels do): one call to remat's check on both paths."""
+
+    @staticmethod
+    def forward(x, k):
+        with torch.no_grad():
+            assert x.dtype == torch.float64 and x.shape[-1] == 4
+            return x * k
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.k = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _Scale.apply(g, ctx.k), None
+
+
+@pytest.mark.parametrize("how", ["grad", "backward"])
+def test_an_autograd_function_inside_is_one_call(how):
+    # [Note: an autograd.Function is one call]: under torch.func.vjp (the recompute) a
+    # Function is one custom_function_call, in the no-grad forward its forward's own calls
+    p, x = _params(), _x()
+
+    def block(p, x):
+        return _Scale.apply(_block(p, x), 3.0).tanh()
+
+    loss = lambda f: (lambda p: f(p, x).square().sum())
+    if how == "grad":
+        got, want = torch.func.grad(loss(sf.remat(block)))(p), torch.func.grad(loss(block))(p)
+    else:
+        leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+        loss(sf.remat(block))(leaves).backward()
+        got, want = {k: v.grad for k, v in leaves.items()}, torch.func.grad(loss(block))(p)
+    assert _maxdiff(got, want) <= 1e-12

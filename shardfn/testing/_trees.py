@@ -62,9 +62,11 @@ def assert_trees_allclose(a: Any, b: Any, *, rtol: float | None = None, atol: fl
     """Same structure, dtypes and shapes, and values close within tolerances chosen by dtype.
 
     Args:
-      a, b: pytrees of tensors (and other leaves, compared with `==`).
-      rtol, atol: override the per-dtype defaults (fp64 1e-10 / 1e-12, fp32 1e-5 / 1e-6,
-        bf16 1.6e-2 / 1e-3, fp16 1e-3 / 1e-4; integers exact).
+      a: a pytree of tensors (and other leaves, compared with `==`).
+      b: the tree to compare it with.
+      rtol: overrides the per-dtype default (fp64 1e-10, fp32 1e-5, bf16 1.6e-2, fp16
+        1e-3; integer and bool tensors are compared exactly).
+      atol: overrides the per-dtype default (fp64 1e-12, fp32 1e-6, bf16 1e-3, fp16 1e-4).
 
     Raises:
       AssertionError: naming the first key path where the trees differ, with the largest
