@@ -42,7 +42,9 @@ __all__ = ["Tracker", "Trace", "Recompute", "nested", "fingerprint", "check_outp
 # recompute (`Recompute`) must make the same calls with the same signatures, all of them,
 # and its outputs must have the forward's values (`fingerprint`: per floating-point output,
 # the sum and the sum of absolute values in float64, compared with a tolerance by dtype;
-# one host synchronization per remat call in the backward; not under `vmap`). Otherwise a
+# for outputs on the CPU only, since on an accelerator reading them would stall the host
+# once per remat call, and the shapes already catch a cache appended to twice; not under
+# `vmap`). Otherwise a
 # SpecError names the function, the call and the probable cause: differentiating a
 # different computation would give wrong gradients silently (a KV cache appended to twice
 # attends over duplicated keys: the same outputs, other gradients). The check is on torch
@@ -316,8 +318,8 @@ def fingerprint(outputs) -> list | None:
         for t in outputs:
             if torch._C._functorch.is_batchedtensor(t):
                 return None
-            if not (t.is_floating_point() or t.is_complex()) or storage_key(t) is None:
-                prints.append(None)
+            if not (t.is_floating_point() or t.is_complex()) or storage_key(t) is None or t.device.type != "cpu":
+                prints.append(None)  # an accelerator's values: reading them would sync the host (see the Note)
                 continue
             d = t.detach().to(torch.complex128 if t.is_complex() else torch.float64)
             prints.append((t.dtype, d.sum(), d.abs().sum()))
