@@ -377,8 +377,8 @@ def ring_attention(q, k, v, axis, *, causal: bool = True, scale: float | None = 
     check_layout(layout, where)
     if not isinstance(causal, bool):
         raise ShardingError(f"{where}: causal must be True or False, got {causal!r:.60}")
-    check_qkv(where, q, k, v, mask)
     group = _collectives._group("ring_attention", axis)
+    check_qkv(f"{where} on axis {axis!r} of size {group.size}", q, k, v, mask)
     if layout == "zigzag" and q.shape[2] % 2:
         raise ShardingError(
             f"{where}: q has shape {tuple(q.shape)}; the zig-zag layout gives each of the {group.size} ranks of "

@@ -72,8 +72,8 @@ def ulysses_attention(q, k, v, axis, *, causal: bool = True, scale: float | None
     check_layout(layout, where)
     if not isinstance(causal, bool):
         raise ShardingError(f"{where}: causal must be True or False, got {causal!r:.60}")
-    check_qkv(where, q, k, v, mask)
     n = _collectives.axis_size(axis)
+    check_qkv(f"{where} on axis {axis!r} of size {n}", q, k, v, mask)
     h, hkv, t = q.shape[1], k.shape[1], q.shape[2]
     if h % n or hkv % n:
         fix = f"use sf.nn.ring_attention (no head constraint), or a mesh axis whose size divides {h}"
