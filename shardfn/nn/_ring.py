@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import torch
 
@@ -63,10 +64,13 @@ _work = threading.local()
 
 @contextlib.contextmanager
 def counting():
-    """Count, on this thread, the (query, key) score entries ring attention computes per
-    sequence and head (a diagonal chunk pair counts whole): `with counting() as c: ...;
-    c["pairs"]`. Private: tests use it to show the zig-zag balance."""
-    box = {"pairs": 0, "blocks": 0}
+    """Count, on this thread, what ring attention does: `pairs`, the (query, key) score
+    entries computed per sequence and head (a diagonal chunk pair counts whole); `blocks`,
+    the chunk pairs; `transfers`, the K/V (and accumulator) transfers waited for; `wait_s`,
+    the seconds spent waiting for them after the compute they overlap (the part of the
+    communication the compute did not hide). `with counting() as c: ...; c["pairs"]`.
+    Private: the tests measure the zig-zag balance with it, the benchmark the overlap."""
+    box = {"pairs": 0, "blocks": 0, "transfers": 0, "wait_s": 0.0}
     stack = getattr(_work, "stack", None)
     if stack is None:
         stack = _work.stack = []
@@ -81,6 +85,16 @@ def _count(tq: int, tk: int) -> None:
     for box in getattr(_work, "stack", ()):
         box["pairs"] += tq * tk
         box["blocks"] += 1
+
+
+def _waited(pending):
+    """`pending.wait()`, its waiting time counted."""
+    start = time.perf_counter()
+    out = pending.wait()
+    for box in getattr(_work, "stack", ()):
+        box["transfers"] += 1
+        box["wait_s"] += time.perf_counter() - start
+    return out
 
 
 # -- the schedule -------------------------------------------------------------------------
@@ -118,7 +132,7 @@ def _send(group, buf, mask):
     pending_mask = None if mask is None else ops.ppermute_async(group, mask.to(torch.uint8), perm)
 
     def wait():
-        return pending.wait(), None if pending_mask is None else pending_mask.wait().bool()
+        return _waited(pending), None if pending_mask is None else pending_mask.wait().bool()
 
     return wait
 
@@ -185,14 +199,14 @@ def ring_backward(dout, q, k, v, out, lse, mask, plan: _Plan):
             part[0][:, :, ks] += dk_p
             part[1][:, :, ks] += dv_p
         if state["incoming"] is not None:  # the accumulator of block src, from rank r-1
-            part += state["incoming"].wait()
+            part += _waited(state["incoming"])
         if group.size > 1:  # pass it on; after N hops it is home
             state["incoming"] = ops.ppermute_async(group, part, _ring_perm(group.size))
         else:
             state["dkv"] = part
 
     _visit(plan, torch.stack([k, v]), mask, visit)
-    dkv = state["dkv"] if group.size == 1 else state["incoming"].wait()
+    dkv = state["dkv"] if group.size == 1 else _waited(state["incoming"])
     return dq.reshape(b, h, t, d).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
