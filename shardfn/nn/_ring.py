@@ -357,7 +357,8 @@ def ring_attention(q, k, v, axis, *, causal: bool = True, scale: float | None = 
 
     Args:
       q: (B, H, T_local, D), this rank's queries.
-      k, v: (B, Hkv, T_local, D) with H a multiple of Hkv (GQA; Hkv = 1 is MQA).
+      k: (B, Hkv, T_local, D) with H a multiple of Hkv (GQA; Hkv = 1 is MQA).
+      v: (B, Hkv, T_local, D), the same shape as k.
       axis: the mesh axis (or tuple of axes) the sequence is split over; rank i along it
         holds block i (contiguous) or chunks i and 2N-1-i (zigzag).
       causal: mask future keys, by global position.

@@ -44,7 +44,8 @@ def ulysses_attention(q, k, v, axis, *, causal: bool = True, scale: float | None
 
     Args:
       q: (B, H, T_local, D).
-      k, v: (B, Hkv, T_local, D); both H and Hkv must divide by the axis size N.
+      k: (B, Hkv, T_local, D); both H and Hkv must divide by the axis size N.
+      v: (B, Hkv, T_local, D), the same shape as k.
       axis: the mesh axis (or tuple of axes) the sequence is split over.
       causal: mask future keys, by global position.
       scale: the score scale; default 1/sqrt(D).
