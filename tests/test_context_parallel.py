@@ -436,6 +436,16 @@ def test_errors_name_shape_axis_and_fix():
         _in_seq(2, lambda a: a + sf.nn.positions(3, "seq", layout="zigzag"))(q)
 
 
+@pytest.mark.parametrize("name", ["ring", "ulysses"])
+def test_a_length_that_does_not_divide_is_named(name):
+    """T = 10 over 4 ranks: torch.chunk blocks of 3, 3, 3, 1; caught before anything is sent."""
+    q = inputs(1, 4, 4, 10, 8)[0]
+    with pytest.raises(sf.DesyncError, match=rf"(?s){name}_attention\(axis='seq'.*axis 'seq' \(size 4\).*blocks "
+                                             r"differ in length \(this rank: q \(1, 4, [13], 8\).*global sequence "
+                                             r"length does not divide by 4.*Fix: pad the sequence to a multiple of 4"):
+        _in_seq(4, lambda a, b, c: ATTENTIONS[name](a, b, c, "seq"))(q, q, q)
+
+
 def test_second_order_gradients_raise():
     mesh = sf.local_mesh({"seq": 2})
     q, k, v, _ = inputs(1, 2, 2, 4, 3)

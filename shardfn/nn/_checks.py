@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
-from .._errors import ShardingError
+from .._errors import DesyncError, ShardingError
 
-__all__ = ["check_qkv", "default_scale"]
+__all__ = ["check_qkv", "default_scale", "same_blocks"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -58,3 +59,20 @@ def default_scale(scale, d: int, where: str) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ShardingError(f"{where}: scale must be a Python float or None (1/sqrt(head dim)), got {scale!r:.60}")
     return float(scale)
+
+
+@contextlib.contextmanager
+def same_blocks(where: str, q: torch.Tensor, k: torch.Tensor, axis, n: int):
+    """Turn a collective desync inside the attention into the likely cause: ranks holding
+    blocks of different lengths (a global length that does not divide by the axis size,
+    split by torch.chunk). The backend detects it (the simulated mesh always; processes
+    with `check_collectives`) before anything is sent; no extra collective is spent here."""
+    try:
+        yield
+    except DesyncError as err:
+        raise DesyncError(
+            f"{where}: the ranks of axis {axis!r} (size {n}) issued different collectives; most likely their "
+            f"sequence blocks differ in length (this rank: q {tuple(q.shape)}, k {tuple(k.shape)}), which "
+            f"happens when the global sequence length does not divide by {n}. Every rank needs the same "
+            f"T_local.\nFix: pad the sequence to a multiple of {n} (of {2 * n} for layout='zigzag') and pass "
+            f"mask= for the padding.\nThe backend reported: {err}") from err

@@ -42,7 +42,7 @@ from .. import _collectives, _vma
 from .._backend import ops
 from .._errors import ShardingError
 from . import _blocks
-from ._checks import check_qkv, default_scale
+from ._checks import check_qkv, default_scale, same_blocks
 from ._layout import check_layout, chunk_ids
 
 __all__ = ["ring_attention", "counting"]
@@ -402,10 +402,11 @@ def ring_attention(q, k, v, axis, *, causal: bool = True, scale: float | None = 
             f"sf.nn.zigzag(x, {group.size}, dim).")
     plan = _Plan(group, causal, default_scale(scale, q.shape[-1], where), layout)
     types = _collectives._types("ring_attention", group)
-    if types is None:
-        return _RingAttention.apply(q, k, v, mask, plan)[0]
-    axes = _vma.vma(q, types) | _vma.vma(k, types) | _vma.vma(v, types) | set(group.axes)
-    q, k, v = (_vma.lift(x, axes, types) for x in (q, k, v))
-    with _vma.paused():
-        out = _RingAttention.apply(q, k, v, mask, plan)[0]
-    return _vma.tag(out, axes, types)
+    with same_blocks(where, q, k, axis, group.size):
+        if types is None:
+            return _RingAttention.apply(q, k, v, mask, plan)[0]
+        axes = _vma.vma(q, types) | _vma.vma(k, types) | _vma.vma(v, types) | set(group.axes)
+        q, k, v = (_vma.lift(x, axes, types) for x in (q, k, v))
+        with _vma.paused():
+            out = _RingAttention.apply(q, k, v, mask, plan)[0]
+        return _vma.tag(out, axes, types)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .. import _collectives
 from .._errors import ShardingError
-from ._checks import check_qkv, default_scale
+from ._checks import check_qkv, default_scale, same_blocks
 from ._layout import check_layout, chunk_ids
 
 __all__ = ["ulysses_attention"]
@@ -93,7 +93,9 @@ def ulysses_attention(q, k, v, axis, *, causal: bool = True, scale: float | None
     def to_heads(x):  # (B, H, T/N, D) -> (B, H/N, T, D)
         return _collectives.all_to_all(x, axis, split_dim=1, concat_dim=2)
 
-    qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)
+    with same_blocks(where, q, k, axis, n):
+        qh = to_heads(q)
+    kh, vh = to_heads(k), to_heads(v)
     allowed = None
     if causal:
         pos = _global_positions(n, t, layout, q.device)
