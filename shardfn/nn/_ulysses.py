@@ -83,7 +83,7 @@ def ulysses_attention(q, k, v, axis, *, causal: bool = True, scale: float | None
                    f"v alike; the GQA pairing is kept), or " + fix)
         raise ShardingError(
             f"{where}: Ulysses splits the heads over axis {axis!r} of size {n}, but q {tuple(q.shape)} has {h} "
-            f"heads and k/v {tuple(k.shape)} have {hkv}; both must divide by {n}.\nFix: {fix}.")
+            f"head{'s' * (h != 1)} and k/v {tuple(k.shape)} have {hkv}; both must divide by {n}.\nFix: {fix}.")
     if layout == "zigzag" and t % 2:
         raise ShardingError(f"{where}: q has shape {tuple(q.shape)}; the zig-zag layout needs an even local "
                             f"sequence length, got {t} on axis {axis!r} of size {n}.\nFix: lay the batch out "
