@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import shardfn as sf
 from allocations import net_and_peak
-from shardfn.nn import _ring
+from shardfn.nn import _ring, _ring_passes
 from traffic import sent
 
 F64 = torch.float64
@@ -188,6 +188,16 @@ def test_jvp_vmap_and_func_grad_on_the_ranks(name, layout):
         assert maxdiff([t], [want_t]) <= 1e-10
         assert maxdiff([out], [want_v]) <= 1e-10
         assert maxdiff(grads, want_g) <= 1e-10
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_query_tiles(monkeypatch, layout):
+    """Chunk pairs cut into query tiles of 2 rows (chunks of 3: tiles of 2 and 1, the causal
+    mask shifted per tile): values, VJP, JVP, vmap and grad unchanged."""
+    monkeypatch.setattr(_ring_passes, "Q_TILE", 2)
+    for n in (1, 3):
+        check_values_and_vjp(sf.nn.ring_attention, n, causal=True, layout=layout, mask=True, t_chunk=3)
+    test_jvp_vmap_and_func_grad_on_the_ranks("ring", layout)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

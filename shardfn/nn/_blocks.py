@@ -49,7 +49,7 @@ def forward_pair(q, k, v, allowed, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q attending to this pair's keys only: out (B, Hkv, g, Tq, D), lse (B, Hkv, g, Tq)."""
     s = _scores(q, k, allowed, scale)
     m = _finite(s.amax(-1, keepdim=True))
-    p = s.sub_(m).exp_()  # in place: one (Tq, Tk) buffer per pair
+    p = s.sub_(m).exp_()  # in place: one (Tq, Tk) buffer per tile
     l = p.sum(-1, keepdim=True)
     out = torch.matmul(p, v.to(q.dtype).unsqueeze(2)).div_(torch.where(l == 0, torch.ones_like(l), l))
     return out, (m + l.log()).squeeze(-1)

@@ -42,7 +42,7 @@ from .._backend import ops
 from . import _blocks
 from ._layout import chunk_ids
 
-__all__ = ["Plan", "counting", "ring_forward", "ring_backward", "ring_tangent"]
+__all__ = ["Plan", "counting", "ring_forward", "ring_backward", "ring_tangent", "Q_TILE"]
 
 
 class Plan:
@@ -96,6 +96,11 @@ def _waited(pending):
 
 # -- the schedule -------------------------------------------------------------------------
 
+# [Note: score tiles] A pair of chunks is computed a tile of at most Q_TILE query rows at a
+# time against all the chunk's keys, so the transient score block is B * H * Q_TILE * Tk
+# accumulation-dtype elements, whatever the local length: memory stays linear in T / N.
+Q_TILE = 512
+
 
 def _pairs(plan: Plan, me: int, src: int, t: int):
     """(query slice, key slice, diagonal?) of the chunk pairs to compute when rank `me`
@@ -109,14 +114,30 @@ def _pairs(plan: Plan, me: int, src: int, t: int):
             for a, qa in enumerate(qc) for b, kb in enumerate(kc) if kb <= qa]
 
 
-def _allowed(diagonal: bool, key_mask, c: int, device):
-    """The pair's bool mask, broadcastable to (B, Hkv, g, Tq, Tk), or None: lower-triangular
-    (c, c) on a diagonal pair (a chunk with itself), and/or the keys' padding mask."""
-    allowed = torch.ones(c, c, dtype=torch.bool, device=device).tril_() if diagonal else None
+def _allowed(diagonal: bool, key_mask, rows: tuple[int, int], c: int, device):
+    """A tile's bool mask, broadcastable to (B, Hkv, g, rows, Tk), or None: on a diagonal
+    pair (a chunk with itself) query row i of the chunk sees keys 0..i, and/or the keys'
+    padding mask."""
+    allowed = None
+    if diagonal:
+        allowed = torch.arange(*rows, device=device)[:, None] >= torch.arange(c, device=device)[None, :]
     if key_mask is not None:
         km = key_mask[:, None, None, None, :]
         allowed = km if allowed is None else allowed & km
     return allowed
+
+
+def _tiles(plan: Plan, me: int, src: int, t: int, key_mask, device):
+    """(query rows, key slice, mask) of each score tile to compute when rank `me` holds
+    rank `src`'s K/V: the chunk pairs of `_pairs`, their queries cut into tiles of at most
+    Q_TILE rows ([Note: score tiles])."""
+    for qs, ks, diag in _pairs(plan, me, src, t):
+        start, stop = qs.start or 0, t if qs.stop is None else qs.stop
+        c = (t if ks.stop is None else ks.stop) - (ks.start or 0)
+        km = None if key_mask is None else key_mask[:, ks]
+        for lo in range(start, stop, Q_TILE):
+            hi = min(lo + Q_TILE, stop)
+            yield slice(lo, hi), ks, _allowed(diag, km, (lo - start, hi - start), c, device)
 
 
 def _ring_perm(n: int):
@@ -163,9 +184,8 @@ def ring_forward(q, k, v, mask, plan: Plan):
     lse = torch.full(qa.shape[:-1], float("-inf"), dtype=acc, device=q.device)
 
     def visit(step, src, kv, km):
-        for qs, ks, diag in _pairs(plan, plan.group.index, src, t):
+        for qs, ks, allowed in _tiles(plan, plan.group.index, src, t, km, q.device):
             k_blk, v_blk = kv[0][:, :, ks], kv[1][:, :, ks]
-            allowed = _allowed(diag, None if km is None else km[:, ks], k_blk.shape[2], q.device)
             part_out, part_lse = _blocks.forward_pair(qa[..., qs, :], k_blk, v_blk, allowed, plan.scale)
             _count(part_out.shape[-2], k_blk.shape[2])
             out[..., qs, :], lse[..., qs] = _blocks.merge(out[..., qs, :], lse[..., qs], part_out, part_lse)
@@ -188,9 +208,8 @@ def ring_backward(dout, q, k, v, out, lse, mask, plan: Plan):
 
     def visit(step, src, kv, km):
         part = torch.zeros((2,) + tuple(k.shape), dtype=acc, device=q.device)  # (dK, dV) of block src
-        for qs, ks, diag in _pairs(plan, group.index, src, t):
+        for qs, ks, allowed in _tiles(plan, group.index, src, t, km, q.device):
             k_blk, v_blk = kv[0][:, :, ks], kv[1][:, :, ks]
-            allowed = _allowed(diag, None if km is None else km[:, ks], k_blk.shape[2], q.device)
             dq_p, dk_p, dv_p = _blocks.backward_pair(qa[..., qs, :], k_blk, v_blk, allowed, plan.scale,
                                                      lse5[..., qs], doa[..., qs, :], delta[..., qs])
             dq[..., qs, :] += dq_p
@@ -221,9 +240,8 @@ def ring_tangent(q, k, v, tq, tk, tv, mask, out, lse, plan: Plan):
     tl = torch.zeros(qa.shape[:-1], dtype=acc, device=q.device)
 
     def visit(step, src, buf, km):
-        for qs, ks, diag in _pairs(plan, plan.group.index, src, t):
+        for qs, ks, allowed in _tiles(plan, plan.group.index, src, t, km, q.device):
             blk = buf[:, :, :, ks]
-            allowed = _allowed(diag, None if km is None else km[:, ks], blk.shape[3], q.device)
             tn_p, tl_p = _blocks.tangent_pair(qa[..., qs, :], blk[0], blk[1], tqa[..., qs, :], blk[2], blk[3],
                                               allowed, plan.scale, lse5[..., qs])
             tn[..., qs, :] += tn_p
