@@ -7,6 +7,7 @@ are right, and `shard`: fully sharded data parallelism as a function transform.
 
 from . import checkpoint as checkpoint
 from . import init as init
+from . import nn as nn
 from . import optim as optim
 from ._collectives import all_gather as all_gather
 from ._collectives import all_to_all as all_to_all
@@ -77,6 +78,7 @@ __all__ = [
     "init_mesh",
     "local_mesh",
     "measure_memory",
+    "nn",
     "optim",
     "pmax",
     "pmean",

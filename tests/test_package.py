@@ -38,3 +38,9 @@ def test_sf_hf_is_a_lazy_attribute_that_imports_neither_package():
                      "print(f is h.load_shards, 'hf' in dir(sf), 'hf' in sf.__all__, "
                      "any(m.split('.')[0] in ('transformers', 'safetensors') for m in sys.modules))")
     assert out.split() == ["True", "True", "True", "False"]
+
+
+def test_sf_nn_is_public():
+    out = run_python("import shardfn as sf; print('nn' in sf.__all__, sorted(sf.nn.__all__))")
+    assert out.split(" ", 1) == ["True", "['positions', 'ring_attention', 'rotary', 'ulysses_attention', 'unzigzag', "
+                                         "'zigzag']\n"]

@@ -30,6 +30,7 @@ __all__ = [
     "reduce_scatter",
     "all_to_all",
     "ppermute",
+    "ppermute_async",
     "ragged_all_to_all",
     "Pending",
     "all_gather_async",
@@ -368,6 +369,14 @@ def ppermute(group: Group, x: torch.Tensor, perm: Sequence[tuple[int, int]]) -> 
     Implemented as one all-to-all with zero-sized splits for non-partners, so it is a
     single pollable collective on every backend.
     """
+    return ppermute_async(group, x, perm).wait()
+
+
+@_plain_op
+def ppermute_async(group: Group, x: torch.Tensor, perm: Sequence[tuple[int, int]]) -> Pending:
+    """Start `ppermute`; `wait()` returns what this rank received. Compute issued between
+    the start and the wait overlaps the transfer (ring attention's next block). Every rank
+    must start its ppermutes, and any other collective of the group, in the same order."""
     x = x.detach().contiguous()
     k = group.size
     dst = dict(perm).get(group.index)
@@ -389,7 +398,7 @@ def ppermute(group: Group, x: torch.Tensor, perm: Sequence[tuple[int, int]]) -> 
         return recv.view(x.shape) if src is not None else torch.zeros_like(x)
 
     if x.is_meta:  # [Note: meta tensors]
-        return finish()
+        return Pending(None, group, "", 0, finish)
 
     def direct():
         work = group.pg.alltoall_base(recv, send, out_splits, in_splits, dist.AllToAllOptions())
@@ -399,7 +408,7 @@ def ppermute(group: Group, x: torch.Tensor, perm: Sequence[tuple[int, int]]) -> 
         gathered = all_gather_async(group, x).wait()  # (k, *shape), logical order
         return gathered[src].clone() if src is not None else torch.zeros_like(x)
 
-    return _issue(group, "ppermute", x, direct, fallback).wait()
+    return _issue(group, "ppermute", x, direct, fallback)
 
 
 @_plain_op
