@@ -9,7 +9,7 @@ over the global batch, as one device computes it. The model is the functional GP
 `shardfn/testing/seq_gpt.py` (nanoGPT's block; positions from `sf.nn.positions`).
 
     python examples/long_context.py                        # ring, zig-zag, {'data': 1, 'seq': 4}
-    python examples/long_context.py --cp ulysses --layout contiguous --data 2 --seq 2
+    python examples/long_context.py --cp ulysses --data 2 --seq 2         # contiguous layout
     torchrun --nproc-per-node 4 examples/long_context.py   # the same on processes (--data x --seq = 4)
 
 Before training it prints (1) a check at a small size, in float64: the first steps' losses
@@ -196,7 +196,9 @@ def plot_losses(losses, path: str, title: str) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cp", choices=["ring", "ulysses"], default="ring")
-    parser.add_argument("--layout", choices=["contiguous", "zigzag"], default="zigzag")
+    parser.add_argument("--layout", choices=["contiguous", "zigzag"], default=None,
+                        help="default: zigzag for ring (balanced causal work), contiguous for ulysses (its "
+                             "local attention keeps SDPA's causal kernel)")
     parser.add_argument("--data", type=int, default=1, help="ranks of the 'data' axis (FSDP)")
     parser.add_argument("--seq", type=int, default=4, help="ranks of the 'seq' axis (context parallelism)")
     parser.add_argument("--steps", type=int, default=None)
@@ -206,6 +208,7 @@ def main():
     parser.add_argument("--out", default=OUT_DIR, help="where the loss curve and losses go")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args()
+    args.layout = args.layout or ("zigzag" if args.cp == "ring" else "contiguous")
 
     cfg = Config(**(TINY if args.tiny else {}))
     cfg = dataclasses.replace(cfg, **{k: v for k, v in dict(steps=args.steps, seq_len=args.seq_len).items() if v})

@@ -321,6 +321,6 @@ def test_long_context_tiny_ring_zigzag(tmp_path):
 
 @pytest.mark.slow
 def test_long_context_tiny_ulysses_on_a_2d_mesh(tmp_path):
-    """Ulysses, contiguous, {'data': 2, 'seq': 2}: FSDP over 'data' and CP over 'seq'."""
-    run = long_context(tmp_path, "--cp", "ulysses", "--layout", "contiguous", "--data", "2", "--seq", "2")
+    """Ulysses (contiguous layout by default), {'data': 2, 'seq': 2}: FSDP over 'data', CP over 'seq'."""
+    run = long_context(tmp_path, "--cp", "ulysses", "--data", "2", "--seq", "2")  # contiguous by default
     _check_long_context(run, {"data": 2, "seq": 2})
