@@ -170,19 +170,21 @@ def run(world: int, shape: Shape, args) -> dict:
     }
 
 
-def print_table(rows: list[dict]) -> None:
-    print("\n| N | T | method | step (ms) | vs single | vs all-gather-KV | blocked on collectives (ms) "
-          "| ppermute wait (ms) | max abs diff vs SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def markdown_table(rows: list[dict]) -> str:
+    """The results as a markdown table (printed here; docs/benchmarks.md via benchmarks.report)."""
+    lines = ["| N | T | method | step ms | / single | / all-gather-KV | blocked on collectives ms "
+             "| ppermute wait ms | max abs diff vs SDPA |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         for m, s in row["step_s"].items():
             vs_single = row["ratios"].get(f"{m}/single")
             vs_ag = row["ratios"].get(f"{m}/allgather")
             wait = row["ppermute_wait_s"].get(m)
-            print(f"| {row['world']} | {row['shape']['seq_len']} | {m} | {s * 1e3:.2f} | "
-                  f"{'' if vs_single is None else f'{vs_single:.2f}x'} | {'' if vs_ag is None else f'{vs_ag:.2f}x'} | "
-                  f"{row['blocked_on_collectives_s'][m] * 1e3:.2f} | {'' if wait is None else f'{wait * 1e3:.2f}'} | "
-                  f"{row['max_abs_diff_vs_sdpa'][m]:.1e} |")
+            lines.append(
+                f"| {row['world']} | {row['shape']['seq_len']} | {m} | {s * 1e3:.2f} | "
+                f"{'' if vs_single is None else f'{vs_single:.2f}'} | {'' if vs_ag is None else f'{vs_ag:.2f}'} | "
+                f"{row['blocked_on_collectives_s'][m] * 1e3:.2f} | {'' if wait is None else f'{wait * 1e3:.2f}'} | "
+                f"{row['max_abs_diff_vs_sdpa'][m]:.1e} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
@@ -210,7 +212,7 @@ def main(argv=None) -> dict:
                    "layout": "zigzag"},
         "results": rows,
     }
-    print_table(rows)
+    print("\n" + markdown_table(rows))
     _common.write_json(report, args.out)
     return report
 

@@ -185,3 +185,8 @@ def test_context_parallel_tiny(tmp_path):
     saved = json.loads((tmp_path / "cp.json").read_text())
     assert saved["benchmark"] == "context_parallel" and saved["env"]["command"].startswith(
         "python -m benchmarks.context_parallel --tiny") and "loadavg_end" in saved["env"]
+    from benchmarks import report
+
+    section = report.context_parallel_section(saved)
+    assert "python -m benchmarks.context_parallel --tiny" in section
+    assert section.count("| 2 | 64 |") == 4 and section.count("| 4 | 64 |") == 4
