@@ -292,9 +292,9 @@ def test_notebook_02_fsdp():
 # -- long_context.py --------------------------------------------------------------------
 
 
-def long_context(tmp_path, *args) -> dict:
-    out_dir = tmp_path / "out"
-    stdout = run_example("long_context.py", "--tiny", "--quiet", "--out", str(out_dir), *args)
+def long_context(tmp_path, *args, launcher=None, name="out") -> dict:
+    out_dir = tmp_path / name
+    stdout = run_example("long_context.py", "--tiny", "--quiet", "--out", str(out_dir), *args, launcher=launcher)
     with open(out_dir / "long_context_losses.json") as f:
         result = json.load(f)
     result["stdout"] = stdout
@@ -324,3 +324,14 @@ def test_long_context_tiny_ulysses_on_a_2d_mesh(tmp_path):
     """Ulysses (contiguous layout by default), {'data': 2, 'seq': 2}: FSDP over 'data', CP over 'seq'."""
     run = long_context(tmp_path, "--cp", "ulysses", "--data", "2", "--seq", "2")  # contiguous by default
     _check_long_context(run, {"data": 2, "seq": 2})
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_long_context_torchrun_matches_simulated(tmp_path):
+    """4 processes under torchrun: the same check and the same losses, bit for bit."""
+    sim = long_context(tmp_path, name="sim")
+    dist = long_context(tmp_path, name="dist", launcher=[torchrun(), "--standalone", "--nproc-per-node", "4"])
+    assert dist["kind"] == "distributed" and sim["kind"] == "simulated"
+    assert dist["losses"] == sim["losses"]
+    assert dist["stdout"].count("max |delta|") == 1  # printed by rank 0 only
