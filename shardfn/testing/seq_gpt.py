@@ -6,10 +6,10 @@ one function runs on one device (`attention="sdpa"`, the whole sequence) and on 
 sequence block (`attention="ring"` / `"ulysses"` over `cfg.axis`): positions come from
 `sf.nn.positions`, so a block knows where its tokens sit in the sequence (learned position
 embeddings, or RoPE with `rope=True`). `mlp_axis` splits the MLP's hidden units over a
-tensor-parallel axis (Megatron: column- then row-parallel, one psum); `MLP_TP_SPECS`
+tensor-parallel axis (Megatron: column- then row-parallel, one psum); `mlp_tp_spec`
 gives `sf.shard(..., param_specs=...)` that split. `remat=True` wraps each block in
 `sf.remat`. Used by tests/test_context_parallel_gpt.py, examples/long_context.py and
-benchmarks/context_parallel.py.
+docs/howto/context-parallel.md.
 
 The loss is the mean next-token cross-entropy over this rank's tokens. With every rank
 holding as many tokens (equal local batches, the sequence split evenly), `sf.shard`'s
@@ -24,7 +24,9 @@ import dataclasses
 import torch
 from torch.nn import functional as F
 
-__all__ = ["SeqGPTConfig", "init_params", "forward", "loss_fn", "mlp_tp_spec"]
+import shardfn as sf
+
+__all__ = ["SeqGPTConfig", "block", "forward", "init_params", "loss_fn", "mlp_tp_spec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +72,6 @@ def init_params(cfg: SeqGPTConfig, generator: torch.Generator, dtype=torch.float
 
 def mlp_tp_spec(path):
     """`param_specs` for `mlp_axis="model"`: fc column-parallel, out row-parallel."""
-    import shardfn as sf
-
     specs = {"fc_w": sf.P(None, "model"), "fc_b": sf.P("model"), "out_w": sf.P("model")}
     path = tuple(path)
     return specs.get(path[-1]) if path[:1] == ("layers",) else None
@@ -80,16 +80,12 @@ def mlp_tp_spec(path):
 def _positions(cfg: SeqGPTConfig, t: int, device) -> torch.Tensor:
     if cfg.attention == "sdpa":
         return torch.arange(t, device=device)
-    import shardfn as sf
-
     return sf.nn.positions(t, cfg.axis, layout=cfg.layout, device=device)
 
 
 def _attention(cfg: SeqGPTConfig, q, k, v):
     if cfg.attention == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    import shardfn as sf
-
     attn = {"ring": sf.nn.ring_attention, "ulysses": sf.nn.ulysses_attention}[cfg.attention]
     return attn(q, k, v, cfg.axis, causal=True, layout=cfg.layout)
 
@@ -102,16 +98,12 @@ def block(cfg: SeqGPTConfig, p: dict, x: torch.Tensor, pos: torch.Tensor) -> tor
     q, k, v = (h @ p["qkv_w"] + p["qkv_b"]).split(C, dim=2)
     q, k, v = (t.view(B, T, cfg.n_head, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
     if cfg.rope:
-        import shardfn as sf
-
         q, k = sf.nn.rotary(q, pos), sf.nn.rotary(k, pos)
     y = _attention(cfg, q, k, v).transpose(1, 2).reshape(B, T, C)  # (B, T, C)
     x = x + y @ p["proj_w"] + p["proj_b"]
     h = F.layer_norm(x, (C,), p["ln2_w"], p["ln2_b"])
     y = F.gelu(h @ p["fc_w"] + p["fc_b"]) @ p["out_w"]  # (B, T, C); a partial sum under TP
     if cfg.mlp_axis is not None:
-        import shardfn as sf
-
         y = sf.psum(y, cfg.mlp_axis)
     return x + y + p["out_b"]
 
@@ -123,11 +115,7 @@ def forward(params: dict, idx: torch.Tensor, cfg: SeqGPTConfig) -> torch.Tensor:
     x = params["wte"][idx]  # (B, T, C)
     if not cfg.rope:
         x = x + params["wpe"][pos]
-    run = block
-    if cfg.remat:
-        import shardfn as sf
-
-        run = sf.remat(block)
+    run = sf.remat(block) if cfg.remat else block
     for p in params["layers"]:
         x = run(cfg, p, x, pos)
     x = F.layer_norm(x, (cfg.n_embd,), params["lnf_w"], params["lnf_b"])
