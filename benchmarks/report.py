@@ -327,6 +327,16 @@ def gloo_wait_table(report: dict) -> str:
                  "sleeps", "timed-out slices", "polled / plain"], body, "|---:|---|---:|---:|---:|---:|---:|---:|---:|"))
 
 
+def context_parallel_section(report: dict) -> str:
+    from benchmarks.context_parallel import markdown_table
+
+    shape = report["results"][0]["shape"] if report["results"] else {}
+    return (run_line(report) + f"\n\nOne causal attention layer, forward + backward, fp32, B = {shape.get('batch')}, "
+            f"H = {shape.get('heads')}, D = {shape.get('head_dim')}, zig-zag layout; median of "
+            f"{report['config']['reps']} interleaved repetitions of the slowest rank's step:\n\n"
+            + markdown_table(report["results"]))
+
+
 def simulated_line(report: dict) -> str:
     return (run_line(report) + f"\n\nN = {report['world']}: simulated mesh {report['simulated_s']:.3f} s/step, "
             f"{report['world']} processes {report['multiprocess_s']:.3f} s/step: the threads-in-one-process mesh costs "
@@ -359,7 +369,8 @@ def sections(results: str = RESULTS) -> dict[str, str]:
     if compiled is not None:
         out["compile"] = step_time_table(compiled) + "\n\n" + ratio_table(compiled)
     for name, fn in (("gloo_wait", gloo_wait_table), ("fsdp_tp_vs_torch", fsdp_tp_table), ("memory_scaling", memory_scaling_table),
-                     ("optim_update", optim_table), ("simulated_overhead", simulated_line)):
+                     ("optim_update", optim_table), ("simulated_overhead", simulated_line),
+                     ("context_parallel", context_parallel_section)):
         report = load(name, results)
         if report is not None:
             out[name] = fn(report)

@@ -163,3 +163,30 @@ def test_optim_update_tiny(tmp_path):
     optim_update.main(["--tiny", "--out", str(tmp_path / "opt.json")])
     report = json.loads((tmp_path / "opt.json").read_text())
     assert report["config"]["tiny"] is True and report["results"]
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_tiny(tmp_path):
+    """Ring, Ulysses, all-gather-KV and single-rank attention at N = 2 and 4 on processes:
+    outputs equal SDPA's, the ring's ppermute waits are counted (per step: N - 1 K/V
+    blocks in the forward; N - 1 K/V blocks and N dK/dV accumulators in the backward), and
+    the JSON is written."""
+    from benchmarks import context_parallel
+
+    out = context_parallel.main(["--tiny", "--out", str(tmp_path / "cp")])
+    assert [row["world"] for row in out["results"]] == [2, 4]
+    for row in out["results"]:
+        n = row["world"]
+        assert set(row["step_s"]) == {"single", "allgather", "ring", "ulysses"}
+        assert all(d <= 1e-5 for d in row["max_abs_diff_vs_sdpa"].values()), row["max_abs_diff_vs_sdpa"]
+        assert row["ppermute_waits_per_step"]["ring"] == (n - 1) + (n - 1) + n
+        assert row["ppermute_wait_s"]["ring"] >= 0 and set(row["ratios"]) == {
+            "allgather/single", "ring/single", "ulysses/single", "ring/allgather", "ulysses/allgather"}
+    saved = json.loads((tmp_path / "cp.json").read_text())
+    assert saved["benchmark"] == "context_parallel" and saved["env"]["command"].startswith(
+        "python -m benchmarks.context_parallel --tiny") and "loadavg_end" in saved["env"]
+    from benchmarks import report
+
+    section = report.context_parallel_section(saved)
+    assert "python -m benchmarks.context_parallel --tiny" in section
+    assert section.count("| 2 | 64 |") == 4 and section.count("| 4 | 64 |") == 4

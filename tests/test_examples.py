@@ -287,3 +287,51 @@ def test_notebook_02_fsdp():
     assert "<Figure" in out  # the memory plot was drawn
     assert re.search(r"OK: FSDP x TP gradients == single device \(max diff \d\.\de-1[3-9]\)", out), out
     assert "spec P(('model', 'data'), None) -> this rank's shard (8, 8)" in out
+
+
+# -- long_context.py --------------------------------------------------------------------
+
+
+def long_context(tmp_path, *args, launcher=None, name="out") -> dict:
+    out_dir = tmp_path / name
+    stdout = run_example("long_context.py", "--tiny", "--quiet", "--out", str(out_dir), *args, launcher=launcher)
+    with open(out_dir / "long_context_losses.json") as f:
+        result = json.load(f)
+    result["stdout"] = stdout
+    result["png"] = out_dir / "long_context_loss.png"
+    return result
+
+
+def _check_long_context(run, mesh):
+    out = run["stdout"]
+    assert number_after("max |delta|", out) <= 1e-9  # the float64 check against one device
+    one = number_after("one rank holding the whole sequence", out)
+    here = number_after(f"over 'seq'={mesh['seq']}:", out)
+    assert 0 < here < one  # sf.estimate: a rank holding T / S tokens plans fewer activation bytes
+    losses = run["losses"]
+    assert len(losses) == 6 and run["mesh"] == mesh and run["seq_len"] == 256
+    assert 4.0 < losses[0] < 5.0 and losses[-1] < losses[0] - 0.3, losses  # ~ln(96) at init, then it learns
+    assert run["png"].exists() and run["png"].stat().st_size > 1000
+
+
+def test_long_context_tiny_ring_zigzag(tmp_path):
+    """Ring attention, zig-zag layout, {'data': 1, 'seq': 4}: check, estimate, training."""
+    _check_long_context(long_context(tmp_path), {"data": 1, "seq": 4})
+
+
+@pytest.mark.slow
+def test_long_context_tiny_ulysses_on_a_2d_mesh(tmp_path):
+    """Ulysses (contiguous layout by default), {'data': 2, 'seq': 2}: FSDP over 'data', CP over 'seq'."""
+    run = long_context(tmp_path, "--cp", "ulysses", "--data", "2", "--seq", "2")  # contiguous by default
+    _check_long_context(run, {"data": 2, "seq": 2})
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_long_context_torchrun_matches_simulated(tmp_path):
+    """4 processes under torchrun: the same check and the same losses, bit for bit."""
+    sim = long_context(tmp_path, name="sim")
+    dist = long_context(tmp_path, name="dist", launcher=[torchrun(), "--standalone", "--nproc-per-node", "4"])
+    assert dist["kind"] == "distributed" and sim["kind"] == "simulated"
+    assert dist["losses"] == sim["losses"]
+    assert dist["stdout"].count("max |delta|") == 1  # printed by rank 0 only
