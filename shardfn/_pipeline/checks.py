@@ -57,7 +57,7 @@ def _describe(x) -> str:
     return f"shape {tuple(x.shape)}, {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def probe(stage, chunks: list[int], first_chunk: bool, last_chunk: bool, microbatch, first_input: Callable,
+def probe(stage, chunks: list[int], last_chunk: bool, microbatch, first_input: Callable,
           layers_per_chunk: int) -> tuple[str, tuple | None, torch.dtype | None, torch.dtype | None]:
     """Run this rank's chunks on meta tensors.
 

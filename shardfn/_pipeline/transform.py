@@ -217,8 +217,12 @@ class Pipeline:
                                   for x in leaves + _tree.flatten(batch)[0]))
         if key in self._checked:
             return self._checked[key]
-        problem, shape, dtype, loss_dtype = checks.probe(stage, chunks, 0 in chunks, schedule.chunks - 1 in chunks,
-                                                         microbatches[0], _first_input, per_chunk)
+        try:
+            problem, shape, dtype, loss_dtype = checks.probe(stage, chunks, schedule.chunks - 1 in chunks,
+                                                             microbatches[0], _first_input, per_chunk)
+        except Exception as err:  # a stage that fails on its own: tell the peers before raising
+            problem, shape, dtype, loss_dtype = (f"a stage raised {type(err).__name__}: {err}".replace("|", "/"),
+                                                 None, None, None)
         lines = checks.agree(group, f"{per_chunk}|{loss_dtype}|{problem}")
         counts = [int(line.split("|", 2)[0]) for line in lines]
         V, p = self.virtual_stages, group.size
