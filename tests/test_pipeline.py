@@ -122,36 +122,40 @@ def test_eval_call_without_grad_gives_the_loss_only():
 # -- PP x FSDP, AdamW -------------------------------------------------------------------------
 
 
-def test_five_adamw_steps_of_pipeline_x_fsdp_equal_one_device():
-    shared, layers = make_params(4)
-    batch = make_batch(16)
-    params = dict(shared, layers=sf.stack_layers(layers))
+def adamw_reference(shared, layers, batch, steps: int = 5) -> dict:
+    """`steps` steps of torch.optim.AdamW on one device; the params stacked as the pipeline's."""
     ref = torch.utils._pytree.tree_map(lambda t: t.clone().requires_grad_(), dict(shared, layers=layers))
     opt = torch.optim.AdamW(torch.utils._pytree.tree_leaves(ref), lr=1e-2, weight_decay=1e-2)
-    for _ in range(5):
+    for _ in range(steps):
         opt.zero_grad()
         reference_loss(ref, batch).backward()
         opt.step()
-    want = dict(ref, layers=sf.stack_layers(ref["layers"]))
+    ref = torch.utils._pytree.tree_map(lambda t: t.detach(), ref)
+    return dict(ref, layers=sf.stack_layers(ref["layers"]))
 
-    mesh = sf.local_mesh({"stage": 2, "data": 2})
+
+def pp_fsdp_adamw(mesh, params, batch, steps: int = 5) -> dict:
+    """On every rank of {'stage', 'data'}: `steps` AdamW steps of sf.shard(sf.pipeline(...)); the full params."""
     pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=2, schedule="zb-h1")
-    step = sf.shard(pipe, mesh, data_axes="data")
+    step = sf.shard(pipe, mesh, data_axes="data")  # the pipeline finds the mesh from the shard
     optimizer = sf.optim.adamw(1e-2)
     train = sf.train_step(step, optimizer)
-    specs = pipe.specs(params)
+    shards = step.shard_params(_local(params, mesh))
+    state = optimizer.init(shards)
+    mine = tuple(x.chunk(mesh.shape["data"])[mesh.coords["data"]] for x in batch)
+    for _ in range(steps):
+        shards, state, loss = train(shards, state, mine)
+    full = step.unshard_params(shards)
+    return dict(full, layers={k: sf.gather(v, mesh, sf.P("stage")) for k, v in full["layers"].items()})
 
-    def body():
-        shards = step.shard_params(_local(params, mesh))
-        state = optimizer.init(shards)
-        mine = tuple(x.chunk(2)[mesh.coords["data"]] for x in batch)
-        for _ in range(5):
-            shards, state, loss = train(shards, state, mine)
-        full = step.unshard_params(shards)
-        return dict(full, layers={k: sf.gather(v, mesh, specs["layers"][k]) for k, v in full["layers"].items()})
 
-    for got in mesh.run(body):
-        assert max_error(got, torch.utils._pytree.tree_map(lambda t: t.detach(), want)) <= 1e-9
+def test_five_adamw_steps_of_pipeline_x_fsdp_equal_one_device():
+    shared, layers = make_params(4)
+    batch = make_batch(16)
+    want = adamw_reference(shared, layers, batch)
+    params = dict(shared, layers=sf.stack_layers(layers))
+    for got in run_on_mesh(lambda mesh: pp_fsdp_adamw(mesh, params, batch), {"stage": 2, "data": 2}):
+        assert max_error(got, want) <= 1e-9
 
 
 def _local(params, mesh):
@@ -377,21 +381,82 @@ def test_schedule_draw_and_repr():
 @pytest.mark.ci
 @pytest.mark.multiprocess
 def test_pipeline_x_fsdp_on_processes_equals_one_device():
+    """{'stage': 2, 'data': 2} on 4 processes: one step's gradients, then 5 AdamW steps."""
     shared, layers = make_params(4)
     batch = make_batch(8)
     want_grads, want_loss = torch.func.grad_and_value(reference_loss)(dict(shared, layers=layers), batch)
-    want = dict(want_grads, layers=sf.stack_layers(want_grads["layers"]))
+    want_grads = dict(want_grads, layers=sf.stack_layers(want_grads["layers"]))
+    want_params = adamw_reference(shared, layers, batch)
     params = dict(shared, layers=sf.stack_layers(layers))
 
     def body(mesh):
-        pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=2, schedule="zb-h1")
+        pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=2, schedule="1f1b")
         step = sf.shard(pipe, mesh, data_axes="data")
-        shards = step.shard_params(_local(params, mesh))
         mine = tuple(x.chunk(2)[mesh.coords["data"]] for x in batch)
-        grads, loss = torch.func.grad_and_value(step)(shards, mine)
+        grads, loss = torch.func.grad_and_value(step)(step.shard_params(_local(params, mesh)), mine)
+        full = step.unshard_params(grads)
+        full = dict(full, layers={k: sf.gather(v, mesh, sf.P("stage")) for k, v in full["layers"].items()})
+        return float(loss), full, pp_fsdp_adamw(mesh, params, batch)
+
+    for loss, grads, trained in run_on_mesh(body, {"stage": 2, "data": 2}, "distributed"):
+        assert abs(loss - float(want_loss)) <= 1e-12
+        assert max_error(grads, want_grads) <= 1e-10
+        assert max_error(trained, want_params) <= 1e-9
+
+
+# -- composition: remat per layer, PP x FSDP x TP ------------------------------------------------
+
+
+def test_remat_per_layer_gives_the_same_gradients():
+    shared, layers = make_params(4)
+    batch = make_batch(4)
+    mesh = sf.local_mesh({"stage": 2})
+    params = dict(shared, layers=sf.stack_layers(layers))
+    got = {}
+    for name, fn in (("plain", layer_fn), ("remat", sf.remat(layer_fn))):
+        pipe = sf.pipeline(fn, pre=pre, post=post, microbatches=2, schedule="zb-h1", mesh=mesh)
+        got[name] = mesh.run(lambda: torch.func.grad(pipe)(pipe.scatter_params(params), batch))
+    for a, b in zip(got["plain"], got["remat"]):
+        assert max_error(a, b) <= 1e-12
+
+
+H = 4  # hidden width of the tensor-parallel MLP layer, split over 'model'
+
+
+def tp_layer(w, x, reduce=lambda t: t):  # Megatron MLP: column-parallel w1, row-parallel w2
+    return x + reduce(torch.tanh(x @ w["w1"] + w["b1"]) @ w["w2"])
+
+
+def test_pipeline_x_fsdp_x_tensor_parallel_on_a_3d_mesh():
+    g = torch.Generator().manual_seed(3)
+    layers = [{"w1": torch.randn(D, H, generator=g, dtype=torch.float64) / D ** 0.5,
+               "b1": torch.randn(H, generator=g, dtype=torch.float64) / 4,
+               "w2": torch.randn(H, D, generator=g, dtype=torch.float64) / H ** 0.5} for _ in range(4)]
+    shared, _ = make_params(0)
+    batch = make_batch(8)
+
+    def reference(p, b):
+        h = pre(p["pre"], b)
+        for layer in p["layers"]:
+            h = tp_layer(layer, h)
+        return post(p["post"], h, b)
+
+    want_grads, want_loss = torch.func.grad_and_value(reference)(dict(shared, layers=layers), batch)
+    want = dict(want_grads, layers=sf.stack_layers(want_grads["layers"]))
+    params = dict(shared, layers=sf.stack_layers(layers))
+    mesh = sf.local_mesh({"stage": 2, "data": 2, "model": 2})
+    tp_specs = {"w1": sf.P(None, None, "model"), "b1": sf.P(None, "model"), "w2": sf.P(None, "model")}
+    pipe = sf.pipeline(lambda w, x: tp_layer(w, x, lambda t: sf.psum(t, "model")), pre=pre, post=post,
+                       microbatches=2, schedule="1f1b")
+    step = sf.shard(pipe, mesh, param_specs=lambda path: tp_specs.get(path[-1]) if path[0] == "layers" else None)
+
+    def body():
+        local = _local(params, mesh)
+        grads, loss = torch.func.grad_and_value(step)(step.shard_params(local), tuple(
+            x.chunk(2)[mesh.coords["data"]] for x in batch))
         full = step.unshard_params(grads)
         return float(loss), dict(full, layers={k: sf.gather(v, mesh, sf.P("stage")) for k, v in full["layers"].items()})
 
-    for loss, grads in run_on_mesh(body, {"stage": 2, "data": 2}, "distributed"):
+    for loss, grads in mesh.run(body):
         assert abs(loss - float(want_loss)) <= 1e-12
         assert max_error(grads, want) <= 1e-10

@@ -218,8 +218,9 @@ class Pipeline:
         if key in self._checked:
             return self._checked[key]
         try:
-            problem, shape, dtype, loss_dtype = checks.probe(stage, chunks, schedule.chunks - 1 in chunks,
-                                                             microbatches[0], _first_input, per_chunk)
+            with ops.meta_run():  # collectives inside a stage (TP) answer meta tensors at once
+                problem, shape, dtype, loss_dtype = checks.probe(stage, chunks, schedule.chunks - 1 in chunks,
+                                                                 microbatches[0], _first_input, per_chunk)
         except Exception as err:  # a stage that fails on its own: tell the peers before raising
             problem, shape, dtype, loss_dtype = (f"a stage raised {type(err).__name__}: {err}".replace("|", "/"),
                                                  None, None, None)
