@@ -10,7 +10,6 @@ import shardfn as sf
 from shardfn._backend import ops
 from shardfn.testing import run_on_mesh
 
-from allocations import net_and_peak  # noqa: F401  (the allocator's count; sf.measure_memory uses it)
 
 D, IN, OUT = 6, 4, 2
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]

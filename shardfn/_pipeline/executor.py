@@ -23,7 +23,7 @@ waited for only when used, so the transfer overlaps the compute in between.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

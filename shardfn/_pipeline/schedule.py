@@ -282,7 +282,11 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int
                 pick = fs[0] if fs else bs[0] if bs else None
             else:
                 can_f = bool(fs)
-                pick = (fs[0] if can_f else bs[0] if bs else ws[0] if ws else None) if split else (bs[0] if bs else fs[0] if can_f else None)
+                # ZB-H1 and interleaved: a forward first while the limit allows (the deeper
+                # warm-up fills the pipeline), then B, then the deferred W; 1F1B: B first
+                forward_first = split or key == "interleaved"
+                pick = (fs[0] if can_f else bs[0] if bs else ws[0] if ws else None) if forward_first else (
+                    bs[0] if bs else fs[0] if can_f else None)
             if pick is None:
                 continue
             todo[r].remove(pick)

@@ -18,7 +18,7 @@ supported: forward mode (`jvp`), `vmap` over the loss, double backward.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -213,7 +213,8 @@ class Pipeline:
 
     def _check(self, group, schedule, stage, chunks, per_chunk, leaves, microbatches, batch):
         """[Note: every rank raises] once per signature; returns the activation's shape and dtype."""
-        key = (group.index, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x)
+        # per rank of the mesh (ranks at one stage index but other data / model coords check apart)
+        key = (id(group.backend), group.backend.rank(), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x)
                                   for x in leaves + _tree.flatten(batch)[0]))
         if key in self._checked:
             return self._checked[key]
