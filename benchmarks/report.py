@@ -368,6 +368,11 @@ def sections(results: str = RESULTS) -> dict[str, str]:
     compiled = load("fsdp_vs_ddp_compile", results)
     if compiled is not None:
         out["compile"] = step_time_table(compiled) + "\n\n" + ratio_table(compiled)
+    piped = load("pipeline", results)
+    if piped is not None:
+        from benchmarks.pipeline import render
+
+        out["pipeline"] = run_line(piped) + "\n\n" + render(piped)
     for name, fn in (("gloo_wait", gloo_wait_table), ("fsdp_tp_vs_torch", fsdp_tp_table), ("memory_scaling", memory_scaling_table),
                      ("optim_update", optim_table), ("simulated_overhead", simulated_line),
                      ("context_parallel", context_parallel_section)):

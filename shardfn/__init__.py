@@ -38,6 +38,13 @@ from ._memory import measure_memory as measure_memory
 from ._mesh import Mesh as Mesh
 from ._mesh import init_mesh as init_mesh
 from ._mesh import local_mesh as local_mesh
+from ._pipeline import Action as PipelineAction
+from ._pipeline import Pipeline as Pipeline
+from ._pipeline import Schedule as PipelineSchedule
+from ._pipeline import make_schedule as pipeline_schedule
+from ._pipeline import pipeline as pipeline
+from ._pipeline import stack_layers as stack_layers
+from ._pipeline import unstack_layers as unstack_layers
 from ._remat import policies as remat_policies
 from ._remat import remat as remat
 from ._remat import tag as tag
@@ -61,6 +68,9 @@ __all__ = [
     "NonFiniteError",
     "P",
     "PartitionSpec",
+    "Pipeline",
+    "PipelineAction",
+    "PipelineSchedule",
     "RankAbortedError",
     "Shard",
     "ShardingError",
@@ -80,6 +90,8 @@ __all__ = [
     "measure_memory",
     "nn",
     "optim",
+    "pipeline",
+    "pipeline_schedule",
     "pmax",
     "pmean",
     "pmin",
@@ -93,9 +105,11 @@ __all__ = [
     "scatter",
     "shard",
     "shard_map",
+    "stack_layers",
     "tag",
     "testing",
     "train_step",
+    "unstack_layers",
     "visualize_sharding",
 ]
 

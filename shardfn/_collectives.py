@@ -173,7 +173,7 @@ def _operand(x, op: str, group: Group) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise SpecError(f"{op}: expected a torch.Tensor, got {type(x).__name__} {x!r:.60}")
     device = group.backend.device
-    if x.device.type != device.type and not (x.is_meta and ops.in_meta_run()):  # sf.estimate's dry run
+    if x.device.type != device.type and not (x.is_meta and ops.in_meta_run()):  # [Note: meta tensors] (sf.estimate)
         raise SpecError(f"{op}: the tensor is on {x.device}, but this mesh communicates tensors on {device.type}; "
                         f"move it with .to(mesh.device)")
     if x.dtype not in _SUPPORTED:

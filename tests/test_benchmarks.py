@@ -112,6 +112,22 @@ def test_gloo_wait_tiny(tmp_path):
     assert "| 0 | polled |" in report.gloo_wait_table(out)
 
 
+@pytest.mark.multiprocess
+def test_pipeline_benchmark_tiny(tmp_path):
+    """Every schedule and FSDP at p = 2 on a tiny model: times, ratios, bubbles; the table renders."""
+    from benchmarks import pipeline, report
+
+    out = pipeline.main(["--tiny", "--out", str(tmp_path / "pipeline")])
+    saved = json.loads((tmp_path / "pipeline.json").read_text())
+    assert saved["env"]["command"].startswith("python -m benchmarks.pipeline --tiny")
+    (row,) = saved["results"]
+    assert set(row["step_s"]) == set(pipeline.METHODS) and row["ratio_vs_fsdp"]["fsdp"] == 1.0
+    assert row["bubble_slots"]["zb-h1"] == [pytest.approx(1 / 13)] * 2  # (p-1)/(3M+p-1), M = 4
+    assert all(0 <= b < 1 for bs in row["bubble_measured"].values() for b in bs)
+    assert "| zb-h1 | 2 | 4 |" in report.sections(str(tmp_path))["pipeline"]
+    assert out["results"][0]["step_s"] == row["step_s"]
+
+
 def test_benchmarks_page_matches_results():
     """docs/benchmarks.md's tables are what benchmarks/report.py makes of the committed JSON."""
     from benchmarks import report

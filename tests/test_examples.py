@@ -16,6 +16,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+ENV["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, ENV.get("PYTHONPATH")]))  # this checkout's shardfn
 
 
 def torchrun() -> str:
@@ -73,6 +74,20 @@ def test_moe_tiny_expert_parallel_in_shard():
     out = run_example("moe.py", "--tiny", "--mode", "shard")
     assert number_after("max |grad diff| vs single device:", out) < 1e-10
     assert out.rstrip().endswith("OK")
+
+
+# -- pipeline.py ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pipeline_tiny_matches_one_device_and_learns(tmp_path, schedule):
+    """examples/pipeline.py: the 8-layer GPT over 2 stages x 2 FSDP ranks; the first loss is
+    the one-device loss of the same batch, the schedule chart is printed, the loss falls."""
+    out = run_example("pipeline.py", "--tiny", "--quiet", "--schedule", schedule, "--out", str(tmp_path))
+    assert number_after("|diff|", out) < 1e-5
+    assert f"{schedule}: 2 stages x 1 virtual, 4 microbatches" in out and "rank 1 |.  F0" in out
+    assert number_after("step 9", out) < number_after("loss: step 0", out)
+    assert (tmp_path / "pipeline_losses.json").exists() and out.rstrip().endswith("OK")
 
 
 # -- train_gpt.py -----------------------------------------------------------------------

@@ -32,6 +32,7 @@ __all__ = [
     "ppermute",
     "ppermute_async",
     "ragged_all_to_all",
+    "exchange_async",
     "Pending",
     "all_gather_async",
     "reduce_scatter_async",
@@ -409,6 +410,48 @@ def ppermute_async(group: Group, x: torch.Tensor, perm: Sequence[tuple[int, int]
         return gathered[src].clone() if src is not None else torch.zeros_like(x)
 
     return _issue(group, "ppermute", x, direct, fallback)
+
+
+@_plain_op
+def exchange_async(group: Group, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, int]],
+                   dtype: torch.dtype, label: str) -> Pending:
+    """Point-to-point messages between ranks of `group`, as one all-to-all every rank issues.
+
+    `sends`: (destination index, tensor) pairs, at most one per destination; `recvs`:
+    (source index, number of elements) pairs, at most one per source. Every rank of the
+    group must call it (with nothing to send or receive, too) with the same `label`, which
+    names it in desync and timeout messages. Each message is noted as one "send" by
+    `recording`. `wait()` returns the received flat tensors in `recvs` order.
+
+    [Note: one all-to-all per round] Point-to-point send/recv handles of gloo cannot be
+    polled, so a rank waiting for a peer that failed would hang until the process group's
+    timeout; an all-to-all with zero-sized splits for the non-partners can be polled and
+    keeps the desync/abort machinery of the collectives (see `ppermute`).
+    """
+    k = group.size
+    to_pg = (lambda i: i) if group.perm is None else (lambda i: group.perm[i])
+    in_splits, out_splits = [0] * k, [0] * k
+    parts = sorted(sends, key=lambda m: to_pg(m[0]))
+    for dst, t in parts:
+        in_splits[to_pg(dst)] = t.numel()
+        _note("send", group, t)
+    for src, n in recvs:
+        out_splits[to_pg(src)] = n
+    device = group.backend.device
+    send = torch.cat([t.detach().reshape(-1).to(dtype) for _, t in parts]) if parts else torch.empty(0, dtype=dtype, device=device)
+    recv = torch.empty(sum(out_splits), dtype=dtype, device=send.device)
+    offsets, at = {}, 0
+    for i in range(k):
+        offsets[i] = at
+        at += out_splits[i]
+
+    def finish():
+        return [recv[offsets[to_pg(src)]:offsets[to_pg(src)] + n] for src, n in recvs]
+
+    what = f"pipeline_exchange({label}, dtype={dtype})"
+    seq = group.backend.begin(group, what)
+    work = group.pg.alltoall_base(recv, send, out_splits, in_splits, dist.AllToAllOptions())
+    return Pending(work, group, what, seq, finish)
 
 
 @_plain_op
