@@ -182,17 +182,20 @@ class BackendBase:
             return
         deadline = time.monotonic() + self.timeout
         while True:
-            if self.abort.is_set():
-                raise RankAbortedError(
-                    f"rank {self.rank()} stopped in {what} over axes {group.axes}: another rank failed "
-                    f"(its error is raised by mesh.run)."
-                )
+            # The work first, then the abort flag: a collective that completed for every rank
+            # is this rank's result even if a peer raised right after it (the peer's error then
+            # reaches this rank through the program, e.g. an agreement's reply, as it should).
             try:
                 work.wait(_POLL)
                 return
             except RuntimeError as err:
                 if "timed out" not in str(err).lower():
                     raise
+            if self.abort.is_set():
+                raise RankAbortedError(
+                    f"rank {self.rank()} stopped in {what} over axes {group.axes}: another rank failed "
+                    f"(its error is raised by mesh.run)."
+                )
             if time.monotonic() > deadline:
                 raise CollectiveTimeoutError(self._timeout_message(group, what, seq))
 
