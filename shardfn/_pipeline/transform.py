@@ -18,6 +18,7 @@ supported: forward mode (`jvp`), `vmap` over the loss, double backward.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Mapping
 
 import torch
@@ -95,13 +96,22 @@ class Pipeline:
         return list(getattr(self._local, "trace", []))
 
     def measured_bubble(self) -> float:
-        """This rank's idle fraction in the last call, from the trace's timestamps:
-        1 - (time in actions) / (first start to last end)."""
-        trace = self.trace()
-        if not trace:
+        """This rank's idle fraction in the last training call, from the trace's timestamps:
+        1 - (time in this rank's actions) / (the step's span), the bubble the schedules'
+        formulas count. The span runs from the first rank entering the schedule to the last
+        rank leaving it (a max all-reduce over the pipeline axis: call it on every rank), so
+        the fill and drain a rank waits through before its first and after its last action
+        count as idle, as in theory. Timestamps are `time.perf_counter()`, one clock across
+        the threads and processes of one host.
+        """
+        trace, span = self.trace(), getattr(self._local, "span", None)
+        mesh = self._mesh("measured_bubble")
+        ends = torch.tensor([-span[0], span[1]] if trace and span else [float("-inf")] * 2, dtype=torch.float64)
+        mesh.all_reduce(ends, self.mesh_axis, op="max")
+        whole = float(ends[0] + ends[1])
+        if not trace or not whole > 0:
             return 0.0
-        span = trace[-1][2] - trace[0][1]
-        return 1 - sum(e - s for _, s, e in trace) / span if span > 0 else 0.0
+        return 1 - sum(e - s for _, s, e in trace) / whole
 
     # -- layout -----------------------------------------------------------------------------
 
@@ -190,10 +200,12 @@ class Pipeline:
         act_shape, act_dtype, loss_dtype = self._check(group, schedule, stage, chunks, per_chunk, leaves,
                                                        microbatches, batch)
         trace: list = []
+        began = time.perf_counter()
         loss_sum, g_layers, g_pre, g_post = execute(schedule, rank, group, stage, microbatches, _first_input,
                                                     act_shape, act_dtype, train, trace)
         if train:
             self._local.trace = trace
+            self._local.span = (began, time.perf_counter())
         loss = loss_sum / self.microbatches if loss_sum is not None else torch.zeros((), dtype=loss_dtype)
         loss = loss.reshape(()).to(loss_dtype)
         if not train:
