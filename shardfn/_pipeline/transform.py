@@ -99,19 +99,19 @@ class Pipeline:
         """This rank's idle fraction in the last training call, from the trace's timestamps:
         1 - (time in this rank's actions) / (the step's span), the bubble the schedules'
         formulas count. The span runs from the first rank entering the schedule to the last
-        rank leaving it (a max all-reduce over the pipeline axis: call it on every rank), so
-        the fill and drain a rank waits through before its first and after its last action
-        count as idle, as in theory. Timestamps are `time.perf_counter()`, one clock across
+        rank leaving it (a max all-reduce over that call's pipeline axis: call it on every
+        rank after a training call), so the fill and drain a rank waits through before its
+        first and after its last action count as idle, as in theory. Timestamps are `time.perf_counter()`, one clock across
         the threads and processes of one host.
         """
         trace, span = self.trace(), getattr(self._local, "span", None)
-        mesh = self._mesh("measured_bubble")
-        ends = torch.tensor([-span[0], span[1]] if trace and span else [float("-inf")] * 2, dtype=torch.float64)
-        mesh.all_reduce(ends, self.mesh_axis, op="max")
-        whole = float(ends[0] + ends[1])
-        if not trace or not whole > 0:
+        if not trace or span is None:
             return 0.0
-        return 1 - sum(e - s for _, s, e in trace) / whole
+        began, ended, group = span  # the pipeline group of that call
+        ends = torch.tensor([-began, ended], dtype=torch.float64, device=group.backend.device)
+        ends = ops.all_reduce(group, ends, "max")
+        whole = float(ends[0] + ends[1])
+        return 1 - sum(e - s for _, s, e in trace) / whole if whole > 0 else 0.0
 
     # -- layout -----------------------------------------------------------------------------
 
@@ -205,7 +205,7 @@ class Pipeline:
                                                     act_shape, act_dtype, train, trace)
         if train:
             self._local.trace = trace
-            self._local.span = (began, time.perf_counter())
+            self._local.span = (began, time.perf_counter(), group)
         loss = loss_sum / self.microbatches if loss_sum is not None else torch.zeros((), dtype=loss_dtype)
         loss = loss.reshape(()).to(loss_dtype)
         if not train:
