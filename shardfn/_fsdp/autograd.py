@@ -20,7 +20,7 @@ from .plan import copy_out, leaf_views, pack_shards
 if TYPE_CHECKING:
     from .runtime import RankState
 
-__all__ = ["GatherUnit", "ReduceScatterUnit", "GatherStacked", "GatherTangent", "LossMean", "plain", "stacked"]
+__all__ = ["GatherUnit", "ReduceScatterUnit", "GatherStacked", "GatherTangent", "LossMean", "plain"]
 
 _BACKWARD = "shard's backward nodes (re-gathers, reduce-scatters) run eagerly ([Note: no whole-step graph])"
 _NESTED_STACKING = "shard: vmap over stacked shards nests once (one ensemble dimension)"
@@ -44,14 +44,6 @@ def plain(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 
-def stacked(t: torch.Tensor) -> bool:
-    """Whether `t` is batched by a vmap (an ensemble of shards; [Note: stacked shards])."""
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(t):
-        if functorch.is_batchedtensor(t):
-            return True
-        t = functorch.get_unwrapped(t)
-    return False
 
 
 def _batch_first(xs, dims, size: int) -> list:

@@ -44,6 +44,7 @@ import torch
 from .. import _tree
 from .._backend import ops
 from .._errors import ShardingError, SpecError
+from .view import stacked
 
 __all__ = ["WEIGHTINGS", "check_weighting", "local_batch_size", "reduce_loss", "settle"]
 
@@ -68,19 +69,10 @@ def local_batch_size(batch) -> int:
     for leaf in _tree.flatten(batch)[0]:
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
             continue
-        if _vmapped(leaf):  # vmap over the batch: its leading dim is not the batch size
+        if stacked(leaf):  # vmap over the batch: its leading dim is not the batch size
             return UNKNOWN
         sizes.add(int(leaf.shape[0]))
     return sizes.pop() if len(sizes) == 1 else UNKNOWN
-
-
-def _vmapped(x: torch.Tensor) -> bool:
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(x):
-        if functorch.is_batchedtensor(x):
-            return True
-        x = functorch.get_unwrapped(x)
-    return False
 
 
 def _readable(x: torch.Tensor) -> bool:

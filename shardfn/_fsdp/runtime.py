@@ -23,7 +23,8 @@ from .._errors import ShardingError
 from .._shard_map import replicated_mismatch
 from . import reduce
 from .batch import UNKNOWN
-from .autograd import GatherUnit, LossMean, plain, stacked
+from .autograd import GatherUnit, LossMean, plain
+from .view import stacked
 from .view import current_scope
 from .groups import Groups
 from .plan import Plan, UnitPlan, copy_out, leaf_views, pack_grads, pack_shards

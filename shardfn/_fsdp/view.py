@@ -12,9 +12,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
+import torch
+
 from .. import _tree
 
-__all__ = ["ParamsView", "make_view", "materialize", "together", "current_scope"]
+__all__ = ["ParamsView", "make_view", "materialize", "together", "current_scope", "stacked"]
 
 _scopes = threading.local()
 
@@ -123,3 +125,14 @@ def materialize(tree):
     if isinstance(tree, dict) and any(isinstance(x, ParamsView) for x in tree.values()):
         return {k: materialize(v) for k, v in tree.items()}
     return tree
+
+
+def stacked(t: torch.Tensor) -> bool:
+    """Whether `t` is batched by a vmap (an ensemble of shards, [Note: stacked shards]; a
+    vmapped batch, whose leading dim is then not the batch size)."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
