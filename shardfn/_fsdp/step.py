@@ -224,7 +224,9 @@ class Shard:
         if not micro_batches:
             raise SpecError("shard.accumulate: micro_batches is empty")
         state = self._state(self._plan_for(shards))
+        state.drop_encoded()  # encoded once for all micro-batches ([Note: quantized all-gather] in gather.py)
         state.stats.reset()
+        state.encoded.reset()
         total_loss, total, auxes = None, None, []
         try:
             for i, batch in enumerate(micro_batches):
@@ -238,6 +240,7 @@ class Shard:
                 total = grads if total is None else _tree.tree_map(torch.add, total, grads)
         finally:
             state.mode = StepMode.EAGER
+            state.drop_encoded()
         m = len(micro_batches)
         mean_loss = total_loss / m
         grads = _tree.tree_map(lambda g: g / m, total)
