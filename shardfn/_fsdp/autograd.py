@@ -30,7 +30,8 @@ _NESTED_STACKING = "shard: vmap over stacked shards nests once (one ensemble dim
 # back as (B, *leaf shape) full leaves (GatherStacked). No freeing and no prefetch: the
 # gathered members stay alive until the backward (memory: B units per unit touched).
 # Backward: one reduce-scatter of the (k, B, S) gradients (ReduceScatterUnit with
-# `stacked`), the same path as per-example gradients.
+# `stacked`), the same path as per-example gradients. With a compressed all-gather each
+# member's shard buffer is encoded as its own row: (B, nbytes(S)) per rank.
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

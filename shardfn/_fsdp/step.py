@@ -385,7 +385,9 @@ def shard(
         inside a node).
       prefetch: how many units ahead to all-gather asynchronously (order learned from the
         previous call).
-      mixed_precision: `MixedPrecision(param_dtype, reduce_dtype, output_dtype)`.
+      mixed_precision: `MixedPrecision(param_dtype, reduce_dtype, output_dtype)`; its
+        `all_gather_dtype` ("int8", a float8 dtype or bf16) sends each unit's shards
+        quantized, encoded once per step (docs/howto/compressed-communication.md).
       has_aux: `loss_fn` returns `(loss, aux)`; the step returns the same pair.
       replicated: `key_path -> bool` marking leaves to keep whole on every rank (their
         gradient is all-reduced); 0-dim and non-float leaves always are.
