@@ -196,11 +196,13 @@ def test_encoded_once_per_step(monkeypatch, options):
         for _ in range(3):
             torch.func.grad(step)(shards, batch_of(mesh.rank))
             dropped.append(all(u.encoded is None for u in state.units))  # released when the step ended
-        return dropped, sum(1 for u in state.units if u.plan.sharded)
+        return dropped, sum(1 for u in state.units if u.plan.sharded), step.stats(), state.plan
 
     out = mesh.run(body)
     assert out[0][0] == out[1][0] == [True] * 3
-    units = out[0][1]
+    units, stats, plan = out[0][1:]
+    wire = _quant.Wire.of("int8", BLOCK)
+    assert stats["all_gather_bytes"] == expected_gather_bytes(plan, wire, reshard=options.get("reshard_after_forward", True))
     assert units == 4  # three layers and the root
     assert sorted(counter.calls.values()) == [3 * units, 3 * units]
 
@@ -364,3 +366,26 @@ def test_int8_gather_on_processes_equals_the_simulated_mesh():
     for (l0, g0, s0, r0), (l1, g1, s1, r1) in zip(on_processes, simulated):
         assert l0 == l1 and s0 == s1 and r0 == r1 == traffic.stats_view(s0)
         assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(g0), optree.tree_leaves(g1)))
+
+
+def test_peak_gathered_bytes_counts_encoded_rows_and_uint8_output():
+    mesh = sf.local_mesh({"data": 2})
+    params = {"layers": [{"w": torch.randn(64, 64)} for _ in range(2)]}
+    options = dict(prefetch=0, mixed_precision=sf.MixedPrecision(all_gather_dtype="int8"))
+    step = sf.shard(lambda p, x: sum((x @ l["w"]).square().mean() for l in p["layers"]), mesh, **options)
+
+    def body():
+        shards = step.shard_params(params)
+        torch.func.grad(step)(shards, torch.randn(4, 64))
+        return step.stats()
+
+    full, row = 64 * 64 * 4, _quant.nbytes(32 * 64, _quant.Wire.of("int8"))
+    assert row == 2056
+    # unit 1's forward gather: both units' encoded rows (unit 0's is kept for its backward), unit 1's
+    # (k, row) uint8 all-gather output, and its unsharded fp32 buffer (unit 0's was released)
+    for stats in mesh.run(body):
+        assert stats["peak_gathered_bytes"] == 2 * row + 2 * row + full
+        assert stats["all_gather_bytes"] == 2 * 2 * (2 * row)
+    est = sf.estimate(lambda p, x: sum((x @ l["w"]).square().mean() for l in p["layers"]), params,
+                      torch.Size([4, 64]), {"data": 2}, **options)
+    assert est.peak_gathered_bytes == 4 * row + full and est.encoded_send_bytes == 2 * row
