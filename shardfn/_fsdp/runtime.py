@@ -443,10 +443,11 @@ class RankState:
                 flat = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
                 while len(self.deferred) >= _IN_FLIGHT:  # its packed input would stay alive until waited
                     _settle(self.deferred.pop(0))
-                self.deferred.append((reduce.reduce_scatter(packed, g.shard, self.stats, out=flat), flat, finish))
+                self.deferred.append((reduce.reduce_scatter(packed, g.shard, self.stats, out=flat, wire=g.reduce_wire),
+                                      flat, finish))
                 out.extend(reduce.shard_grads(plan, flat, g.shard_index, lead))  # filled by finish_deferred
             else:
-                flat = reduce.reduce_scatter(packed, g.shard, self.stats).wait()  # (*lead, S)
+                flat = reduce.reduce_scatter(packed, g.shard, self.stats, wire=g.reduce_wire).wait()  # (*lead, S)
                 reduce.finish_reduce(flat, **finish)
                 if cfg.check_finite:
                     reduce.check_finite(flat, f"the gradient of {plan.name()}", group=g.all, stats=self.stats)
