@@ -59,6 +59,9 @@ __all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState"]
 # no finiteness check, no vmap. At most _IN_FLIGHT of them are in flight: the process group
 # holds each one's packed (k, S) input, a whole unsharded unit, until it is waited, so a
 # unit's reduce-scatter first waits for the one two units back (FSDP2 keeps one in flight).
+# A quantized reduction ([Note: qgZ] in qgz.py) defers the same way: its all-to-all of
+# encoded rows is in flight (holding a quarter of the packed bytes for int8), and the
+# decode and float32 sum into the shard-gradient buffer happen at the wait.
 
 # [Note: units used again later in the forward]
 # The schedule frees a unit when the next one is entered, which assumes a unit's
