@@ -27,7 +27,7 @@ from shardfn.testing import run_on_mesh
 from shardfn.testing._ddp import local_batch
 from shardfn.testing.models import mlp_loss, mlp_params
 from collective_cases import mesh_for
-from traffic import sent
+from traffic import sent, stats_view, totals
 
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 WIRES = ["int8", E4M3, E5M2, BF16]
@@ -47,7 +47,7 @@ def leaves(tree):
 
 
 def max_diff(a, b) -> float:
-    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(leaves(a), leaves(b)))
+    return max(float((x.double() - y.double()).abs().max()) if x.numel() else 0.0 for x, y in zip(leaves(a), leaves(b)))
 
 
 # -- the reduction itself ------------------------------------------------------------------
@@ -355,6 +355,54 @@ def test_encode_cost_is_one_row_per_destination():
     wire = Wire.of("int8", 32)
     assert encode(x, wire).shape == (4, 3, nbytes(100, wire))
     assert qgz.encoded_bytes((4, 3, 100), wire, torch.float32) == 4 * 3 * nbytes(100, wire)
+
+
+@pytest.mark.parametrize("mode", ["func", "fast", "backward"])
+@pytest.mark.parametrize("setup_name", ["fsdp3-uneven", "hsdp2x2", "bf16", "frozen", "check_finite", "tp", "hsdp-tp",
+                                        "hpz"])
+def test_stats_agree_with_what_was_sent_across_setups(setup_name, mode):
+    """test_traffic.py's grid with int8 gradients: stats() = the recording (its all_to_alls
+    counted as the reduce-scatter), on every rank and call; and the gradients stay within
+    the bound of the same setup without quantization (G: the largest |gradient| there)."""
+    from test_traffic import LAYER_SPECS, SETUPS, init, make_loss
+
+    shape, kwargs = SETUPS[setup_name]
+    kwargs = dict(kwargs)
+    tp = kwargs.pop("tp", False)
+    mesh = mesh_for(shape)
+    params = init(dtype=torch.float32)
+    if tp:
+        kwargs["param_specs"] = {"layers": [LAYER_SPECS] * 2, "head": None, "temperature": None}
+    mp = kwargs.pop("mixed_precision", None) or sf.MixedPrecision()
+    data_axes = kwargs.get("data_axes", "data")
+    exact_step = sf.shard(make_loss(tp), mesh, mixed_precision=mp, **kwargs)
+    q_step = sf.shard(make_loss(tp), mesh, mixed_precision=mp._replace(reduce_scatter_dtype="int8", block_size=8),
+                      **kwargs)
+
+    def body():
+        g = torch.Generator().manual_seed(100 + mesh.group(data_axes).index)
+        out = []
+        for _ in range(2):
+            batch = (torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g))
+            how = {"fast": "grad_and_value"}.get(mode, mode)
+            exact = grads_by(exact_step, exact_step.shard_params(params), batch, how)
+            shards = q_step.shard_params(params)  # its structure check is no part of the step
+            with sent() as rec:
+                q = grads_by(q_step, shards, batch, how)
+            recorded = totals(rec.records, qgz=True)
+            if tp and mesh.shape["model"] > 1:  # [Note: loss_fn's own collectives] in test_traffic.py
+                recorded["all_reduce_bytes"] -= 2 * 2 * 4 * 5 * 4
+                recorded["num_collectives"] -= 2 * 2
+            err = max_diff(q, exact)
+            top = max(float(t.abs().max()) if t.numel() else 0.0 for t in leaves(exact))
+            out.append((recorded, stats_view(q_step.stats()), err, top))
+        return out
+
+    for rank, calls in enumerate(mesh.run(body)):
+        for recorded, stats, err, top in calls:
+            assert stats == recorded, (rank, stats, recorded)
+            assert stats["reduce_scatter_bytes"] > 0
+            assert 0 < err <= 0.05 * top, (err, top)  # loose: G here is not the per-rank local maximum
 
 
 # -- several processes ---------------------------------------------------------------------------
