@@ -215,9 +215,11 @@ def test_quantized_convergence_tiny(tmp_path):
 
     results = quantized_convergence.main(["--tiny", "--steps", "3", "--reduce-only", "--out", str(tmp_path / "qc"),
                                           "--img", str(tmp_path / "qc.png")])
-    assert list(results) == ["fp32", "int8 reduce-scatter", "fp8_e4m3 reduce-scatter", "bf16 reduce-scatter"]
+    assert list(results) == ["fp32", "int8 reduce-scatter", "int8 reduce-scatter, block 256", "fp8_e4m3 reduce-scatter",
+                             "bf16 reduce-scatter"]
     assert results["fp32"]["rel_diff_to_fp32"] == 0
     assert results["int8 reduce-scatter"]["reduce_scatter_ratio"] == pytest.approx(0.25, abs=0.01)
+    assert results["int8 reduce-scatter, block 256"]["reduce_scatter_ratio"] == pytest.approx(0.25 + 1 / 256, abs=0.01)
     assert results["bf16 reduce-scatter"]["reduce_scatter_ratio"] == pytest.approx(0.5, abs=0.01)
     assert all(len(r["losses"]) == 3 for r in results.values())
     saved = json.loads((tmp_path / "qc.json").read_text())

@@ -33,6 +33,10 @@ the encoded buffer, `k * prod(lead) * nbytes(S)`, for int8 with float32 gradient
 `k * (S + 4 * ceil(S / block))` rounded up to 8 per row: a quarter of the full-precision
 figure plus the scales.
 
+No error feedback: its residual would be the unsharded (k, S) buffer per rank, state outside
+the checkpoint; for int8, a smaller block size recovers as much (docs/howto/compressed-
+communication.md, measured on the examples' GPT).
+
 A one-rank shard group sends nothing; there the plain reduce-scatter (a copy) keeps the
 gradient exact. NaN / inf are not checked here (a host sync per unit): a non-finite
 gradient makes its whole block NaN after decoding, which `check_finite=True` reports as the
