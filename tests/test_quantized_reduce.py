@@ -89,6 +89,24 @@ def test_error_is_within_the_sum_of_the_rows_bounds(wire_spec, n_ranks, dtype):
             assert qgz.accumulation_dtype(dtype) == torch.float64
 
 
+@pytest.mark.parametrize("shape, axes", [({"data": 4}, "data"), ({"replica": 2, "shard": 2}, "replica")])
+def test_all_to_all_fallback_gives_the_same_result(monkeypatch, shape, axes):
+    """ops' all-gather fallback for the all-to-all ([Note: fallbacks]) and the direct op agree,
+    bit for bit, on a whole group and on an outer-axis sub-group."""
+    mesh = mesh_for(shape)
+    wire = Wire.of("int8", 16)
+
+    def body():
+        group = mesh.group(axes)
+        packed = torch.randn(group.size, 40, generator=torch.Generator().manual_seed(mesh.rank))
+        return reduce.reduce_scatter(packed, group, reduce.Stats(), wire=wire).wait()
+
+    direct = mesh.run(body)
+    monkeypatch.setattr(ops, "FORCE_FALLBACK", {"all_to_all"})
+    fallback = mesh.run(body)
+    assert all(torch.equal(a, b) for a, b in zip(direct, fallback))
+
+
 def test_one_rank_groups_keep_the_gradient_exact():
     """Nothing is sent over a one-rank shard group: no quantization, the plain copy."""
     mesh = mesh_for({"data": 1})

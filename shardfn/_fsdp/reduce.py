@@ -30,7 +30,9 @@ def _nbytes(x: torch.Tensor) -> int:
 
 class Stats:
     """`step.stats()`: bytes and count of the collectives issued, and the most bytes of
-    gathered (unsharded) parameters alive at once."""
+    gathered (unsharded) parameters alive at once. With quantized gradients
+    (`reduce_scatter_dtype`), `reduce_scatter_bytes` counts the encoded buffer handed to the
+    all-to-all that replaces the reduce-scatter ([Note: qgZ] in qgz.py)."""
 
     KEYS = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "num_collectives", "peak_gathered_bytes")
 
