@@ -22,7 +22,7 @@ from .._errors import ShardingError, SpecError
 from .._remat_modules import checkpoint_error
 from .._blocks import slice_block
 from .._spec import chunk_bounds
-from . import tp
+from . import funcgrad, tp
 from .config import Config, MixedPrecision, make_config
 from .eager import eager_grad_and_value
 from .plan import Plan, build_plan
@@ -316,6 +316,8 @@ class Shard:
         plan = self._plan_for(shards)
         paths, leaves, treedef = _tree.flatten_with_paths(shards)
         state = self._state(plan)
+        if funcgrad.eligible(self, state, leaves, (batch, *rest)):  # [Note: torch.func.grad of a whole step]
+            return funcgrad.grad_path(self, shards, (batch, *rest))
         self._check_shards(plan, paths, leaves, state.groups.shard_index)
         device = next((x.device for x in leaves), mesh.device)
         batch = self._prepare_batch(batch, device, plan)
