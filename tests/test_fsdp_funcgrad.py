@@ -161,7 +161,7 @@ def test_a_tensor_of_the_transform_captured_by_loss_fn_is_an_error():
 def test_memory_is_the_grad_and_value_path_not_functorchs():
     """Peak bytes of one gradient on rank 0 (allocator events, deterministic): functorch's
     own differentiation keeps the backward's intermediates (create_graph=True); below the
-    transform the peak is step.grad_and_value's."""
+    transform the peak is step.grad_and_value's (and the cotangent's copy of the gradients)."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
     apply_fn, params = sf.functional(GPT(cfg))
@@ -182,15 +182,15 @@ def test_memory_is_the_grad_and_value_path_not_functorchs():
             fn(shards, batch)  # the second call prefetches in the learned order
             if mesh.rank == 0:
                 with sf.measure_memory("cpu") as m:
-                    out = fn(shards, batch)
-                    del out
+                    fn(shards, batch)  # the gradients are freed inside the measured region
                 peaks[name] = m.peak_bytes
             else:
                 fn(shards, batch)
-        return peaks
+        return peaks, sum(x.numel() * x.element_size() for x in leaves(shards))
 
-    peaks = mesh.run(body)[0]
-    assert peaks["func"] <= peaks["direct"] * 1.02 + 4096, peaks
+    peaks, shard_bytes = mesh.run(body)[0]
+    # + at most one copy of this rank's gradients: StepGrad's backward scales them by the cotangent
+    assert peaks["func"] <= peaks["direct"] + shard_bytes, (peaks, shard_bytes)
     assert peaks["wrapped"] > 1.3 * peaks["func"], peaks
 
 

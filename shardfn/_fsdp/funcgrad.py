@@ -65,12 +65,13 @@ def wrapped():
         _local.off = before
 
 
-def eligible(step, state, leaves, extra) -> bool:
+def eligible(step, mode, leaves, extra) -> bool:
     """Whether `step(shards, *extra)` may run as `StepGrad` ([Note: torch.func.grad of a
-    whole step]): `leaves` are the shard leaves, `extra` the batch and the other arguments."""
+    whole step]): `mode` is the step's StepMode on this rank, `leaves` the shard leaves,
+    `extra` the batch and the other arguments."""
     from .runtime import StepMode
 
-    if step.config.has_aux or state.mode is not StepMode.EAGER or getattr(_local, "off", False):
+    if step.config.has_aux or mode is not StepMode.EAGER or getattr(_local, "off", False):
         return False
     stack = _functorch.get_interpreter_stack()
     if not stack or len(stack) != 1 or stack[0].key() != torch._C._functorch.TransformType.Grad:
@@ -110,18 +111,30 @@ class StepGrad(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         grads = output[1:]
         ctx.mark_non_differentiable(*grads)
+        ctx.set_materialize_grads(False)  # no zeros for the grads' own (absent) cotangents
         ctx.save_for_backward(*grads)
         ctx.n, ctx.n_rest = inputs[3], len(inputs) - 4 - inputs[3]
 
     @staticmethod
     def backward(ctx, g, *_):
-        grads = [(x * g).to(x.dtype) if x.is_floating_point() else None for x in ctx.saved_tensors]
-        return (None, None, None, None, *grads, *([None] * ctx.n_rest))
+        grads = list(ctx.saved_tensors)
+        if g is None:  # the loss itself was not used
+            return (None,) * (4 + len(grads) + ctx.n_rest)
+        floats = [i for i, x in enumerate(grads) if x.is_floating_point()]
+        if not _functorch.is_functorch_wrapped_tensor(g) and all(grads[i].dtype == g.dtype for i in floats):
+            scaled = torch._foreach_mul([grads[i] for i in floats], g)  # one op for all leaves
+        else:  # a batched cotangent (jacrev), or dtypes to promote
+            scaled = [(grads[i] * g).to(grads[i].dtype) for i in floats]
+        out = [None] * len(grads)
+        for i, x in zip(floats, scaled):
+            out[i] = x
+        return (None, None, None, None, *out, *([None] * ctx.n_rest))
 
 
 class _Captured(TorchFunctionMode):
-    """Raises if a functorch-wrapped tensor reaches a torch function below the grad level
-    (`loss_fn` closing over a tensor of the transform, which would get no gradient)."""
+    """Raises if a differentiable functorch-wrapped tensor reaches a torch function below
+    the grad level (`loss_fn` closing over a tensor of the transform, which would get no
+    gradient; a constant one, e.g. an index made inside the transform, is harmless)."""
 
     @classmethod
     def first_call(cls, step):
@@ -130,7 +143,7 @@ class _Captured(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for x in pytree.tree_leaves((args, kwargs)):
-            if isinstance(x, torch.Tensor) and _functorch.is_functorch_wrapped_tensor(x):
+            if isinstance(x, torch.Tensor) and _functorch.is_functorch_wrapped_tensor(x) and x.requires_grad:
                 raise ShardingError(
                     f"shard: under torch.func.grad(step), loss_fn used a tensor of the transform that is not "
                     f"one of its arguments ({getattr(func, '__name__', func)} got a tensor of shape "

@@ -262,6 +262,12 @@ class Shard:
             state = self._states[key] = RankState(plan, self.mesh, self.config)
         return state
 
+    def _mode(self, plan: Plan) -> StepMode:
+        """This rank's step mode for `plan`, without creating its RankState (which, made
+        under a transform, would hold that transform's tensors)."""
+        state = self._states.get((self.mesh.rank, id(plan)))
+        return state.mode if state is not None and state.plan is plan else StepMode.EAGER
+
     def _check_shards(self, plan: Plan, paths, leaves, index: int) -> None:
         for layout, path, leaf in zip(plan.leaves, paths, leaves):
             expected = layout.local_shape(index, plan.k) if layout.sharded else layout.shape
@@ -315,9 +321,9 @@ class Shard:
             )
         plan = self._plan_for(shards)
         paths, leaves, treedef = _tree.flatten_with_paths(shards)
-        state = self._state(plan)
-        if funcgrad.eligible(self, state, leaves, (batch, *rest)):  # [Note: torch.func.grad of a whole step]
+        if funcgrad.eligible(self, self._mode(plan), leaves, (batch, *rest)):  # [Note: torch.func.grad of a whole step]
             return funcgrad.grad_path(self, shards, (batch, *rest))
+        state = self._state(plan)
         self._check_shards(plan, paths, leaves, state.groups.shard_index)
         device = next((x.device for x in leaves), mesh.device)
         batch = self._prepare_batch(batch, device, plan)
