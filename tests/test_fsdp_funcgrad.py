@@ -3,6 +3,8 @@
 same gradients as the wrapped path, its memory instead of functorch's, and the cases it
 must leave to the wrapped path."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -128,6 +130,35 @@ def test_composed_uses_equal_the_wrapped_path():
 
     for diffs in mesh.run(body):
         assert max(diffs) < 1e-13, diffs
+
+
+def test_torch_function_modes_around_the_step_still_apply():
+    """functorch turns TorchFunctionModes off inside a custom Function's forward; StepGrad
+    enters the caller's again, so loss_fn runs under them (here: a counter of tanh calls)."""
+    params, batch = _mlp_case()
+    mesh = sf.local_mesh({"data": 2})
+    step = sf.shard(mlp_loss, mesh)
+
+    class CountTanh(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.n += getattr(func, "__name__", "") == "tanh"
+            return func(*args, **(kwargs or {}))
+
+    def body():
+        shards = step.shard_params(params)
+        xy = local_batch(batch, mesh.rank, mesh.size)
+        counts = []
+        for path in (contextlib.nullcontext, wrapped):
+            with path(), CountTanh() as mode:
+                torch.func.grad(step)(shards, xy)
+            counts.append(mode.n)
+        return counts
+
+    assert mesh.run(body) == [[2, 2]] * 2  # two hidden layers
 
 
 def test_a_tensor_of_the_transform_captured_by_loss_fn_is_an_error():

@@ -40,7 +40,7 @@ import contextlib
 import threading
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils import _pytree as pytree
 
 from .. import _tree
@@ -89,8 +89,27 @@ def grad_path(step, shards, extra):
     """The loss of `step(shards, *extra)` as the output of a `StepGrad` node."""
     leaves, treedef = _tree.flatten(shards)
     rest, rest_spec = pytree.tree_flatten(extra)
-    outs = StepGrad.apply(step, treedef, rest_spec, len(leaves), *leaves, *rest)
+    outs = StepGrad.apply(_Call(step, _get_current_function_mode_stack()), treedef, rest_spec, len(leaves),
+                          *leaves, *rest)
     return outs[0]
+
+
+class _Call:
+    """The step and the TorchFunctionModes active around it (`with torch.device(...)`,
+    sf.estimate's dry-run functions), which functorch turns off while it runs a custom
+    Function's forward: StepGrad enters them again. One object, so that functorch's
+    pytree handling of the Function's arguments does not walk the modes."""
+
+    def __init__(self, step, modes):
+        self.step, self.modes = step, list(modes)
+
+    @contextlib.contextmanager
+    def modes_on(self):
+        with contextlib.ExitStack() as stack:
+            if not _get_current_function_mode_stack():
+                for mode in self.modes:
+                    stack.enter_context(mode)
+            yield
 
 
 class StepGrad(torch.autograd.Function):
@@ -99,10 +118,11 @@ class StepGrad(torch.autograd.Function):
     differentiable. Backward: the grads times the loss's cotangent."""
 
     @staticmethod
-    def forward(step, treedef, rest_spec, n: int, *args):
+    def forward(call, treedef, rest_spec, n: int, *args):
+        step = call.step
         shards = _tree.unflatten(treedef, list(args[:n]))
         extra = pytree.tree_unflatten(list(args[n:]), rest_spec)
-        with _Captured.first_call(step):
+        with call.modes_on(), _Captured.first_call(step):
             grads, loss = step.grad_and_value(shards, *extra)
         step._funcgrad_checked = True  # checked once it ran through
         return (loss, *_tree.flatten(grads)[0])
@@ -142,6 +162,8 @@ class _Captured(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_dynamo_compiling():  # a compiled block: not traced into its graph
+            return func(*args, **kwargs)
         for x in pytree.tree_leaves((args, kwargs)):
             if isinstance(x, torch.Tensor) and _functorch.is_functorch_wrapped_tensor(x) and x.requires_grad:
                 raise ShardingError(
