@@ -123,7 +123,7 @@ class StepGrad(torch.autograd.Function):
         shards = _tree.unflatten(treedef, list(args[:n]))
         extra = pytree.tree_unflatten(list(args[n:]), rest_spec)
         with call.modes_on(), _Captured.first_call(step):
-            grads, loss = step.grad_and_value(shards, *extra)
+            grads, loss = step._grad_and_value(shards, *extra, where="shard: torch.func.grad(step)")
         step._funcgrad_checked = True  # checked once it ran through
         return (loss, *_tree.flatten(grads)[0])
 

@@ -184,6 +184,10 @@ class Shard:
         reduce-scatter overlapping the backward of the units before it and waited once at
         the end: the fast path that `sf.train_step` takes. Leaves without a gradient get zeros.
         """
+        return self._grad_and_value(shards, batch, *rest)
+
+    def _grad_and_value(self, shards, batch, *rest, where: str = "shard: step.grad_and_value"):
+        """`grad_and_value`, its errors naming `where` (the entry point the user called)."""
         state = self._state(self._plan_for(shards))
         state.mode = StepMode.DEFERRED
         done = False
@@ -191,7 +195,7 @@ class Shard:
             grads, out = eager_grad_and_value(self, shards, batch, *rest, has_aux=self.config.has_aux)
             done = True
         except RuntimeError as e:  # torch.utils.checkpoint in loss_fn: point to sf.remat
-            raise (checkpoint_error(e, "shard: step.grad_and_value") or e) from e
+            raise (checkpoint_error(e, where) or e) from e
         finally:
             state.mode = StepMode.EAGER
             state.finish_deferred(complete=done)
