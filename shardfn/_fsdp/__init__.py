@@ -12,6 +12,7 @@ The modules, in the order data flows through them:
   runtime.py   per rank: `Schedule`, `StepMode`, unit states, leaf resolution
   view.py      the read-only params view `loss_fn` receives, fetching leaves on first access
   eager.py     `grad_and_value` on eager autograd (the training fast path)
+  funcgrad.py  `torch.func.grad(step)` of a step alone, run on that path below the transform
   step.py      the public `Shard` step and `shard()`
 
 docs/fsdp_design.md explains the design.

@@ -19,6 +19,9 @@ shards: `StepGrad` computes it in its forward, with `Shard.grad_and_value` on th
 unwrapped tensors (below the grad level, as functorch runs a custom Function's forward),
 returns the loss, and its backward hands the gradients back scaled by the loss's
 cotangent. The numbers are those of `Shard.grad_and_value`, equal to the wrapped path's.
+Two consequences: the forward of `torch.func.vjp(step, ...)` runs the backward too (the
+gradient is made with the loss), and the caller's TorchFunctionModes, which functorch
+turns off inside a custom Function's forward, are entered again there (`_Call`).
 
 `eligible` takes this path only where it is exact:
 - the interpreter stack is one grad level (`grad`, `grad_and_value`, `vjp`): no `vmap`
