@@ -14,6 +14,8 @@ Methods (`METHODS`):
   fsdp2-foreach     fully_shard on every block and the root + torch.optim.AdamW(foreach=True)
   fsdp2-fused       the same with AdamW(fused=True)
   ddp               DistributedDataParallel (no buffer broadcast, gradients as bucket views) + AdamW(fused=True)
+  shardfn-jaxloop   (opt-in) torch.func.grad_and_value(step), opt.update + sf.optim.apply_updates, float(loss):
+                    the loop the docs teach, with shardfn-fused's optimizer
   --compressed adds: shardfn-wire-bf16 / -fp8 / -int8 (MixedPrecision(all_gather_dtype=w,
                     reduce_scatter_dtype=w), fused AdamW; fp32 masters and compute) and fsdp2-bf16
                     (MixedPrecisionPolicy(param_dtype=bf16): bf16 all-gather and compute)
@@ -180,6 +182,29 @@ def _shardfn(spec, mesh, batch, fused=False, compile_=False, compile_step=False,
     return Trainer(*shardfn_trainer(step, params, batch, fused=fused, compile_step=compile_step), shard_step=step)
 
 
+def _shardfn_jaxloop(spec, mesh, batch):
+    """The loop the docs teach, as a user writes it: `torch.func.grad_and_value(step)`, then
+    `opt.update` + `sf.optim.apply_updates`, then `float(loss)`, with the optimizer of
+    `shardfn-fused` (its `sf.train_step`): compare the two."""
+    apply_fn, params = sf.functional(build_model(spec))
+    step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
+    opt = sf.optim.adamw(LR, weight_decay=0.0, fused=True)
+    state = {"shards": step.shard_params(params)}
+    state["opt"] = opt.init(state["shards"])
+
+    def one():
+        grads, loss = torch.func.grad_and_value(step)(state["shards"], batch)
+        updates, state["opt"] = opt.update(grads, state["opt"], state["shards"])
+        state["shards"] = sf.optim.apply_updates(state["shards"], updates)
+        return float(loss)
+
+    def nbytes():  # as shardfn_trainer counts
+        leaves = torch.utils._pytree.tree_leaves
+        return 2 * tensor_bytes(leaves(state["shards"])) + tensor_bytes(leaves(state["opt"]))
+
+    return Trainer(one, nbytes, shard_step=step)
+
+
 def _fsdp2(spec, mesh, batch, fused=False, compile_=False, param_dtype=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -209,6 +234,7 @@ METHODS = {
     "fsdp2-fused": lambda s, m, b: _fsdp2(s, m, b, fused=True),
     "ddp": _ddp,
 }
+LOOPS = {"shardfn-jaxloop": _shardfn_jaxloop}  # not in the default run: --methods shardfn-jaxloop ...
 COMPILED = {
     "shardfn-compiled": lambda s, m, b: _shardfn(s, m, b, fused=True, compile_=True),
     "shardfn-compiled-step": lambda s, m, b: _shardfn(s, m, b, fused=True, compile_step=True),
@@ -224,7 +250,7 @@ COMPRESSED = {
     "shardfn-wire-int8": lambda s, m, b: _shardfn(s, m, b, fused=True, wire="int8"),
     "fsdp2-bf16": lambda s, m, b: _fsdp2(s, m, b, fused=True, param_dtype=torch.bfloat16),
 }
-ALL_METHODS = {**METHODS, **COMPILED, **COMPRESSED}
+ALL_METHODS = {**METHODS, **LOOPS, **COMPILED, **COMPRESSED}
 
 
 # -- one world size: every method in the same processes -------------------------------------
@@ -420,6 +446,8 @@ def ratios(row: dict) -> dict:
            if f"shardfn-wire-{w}" in t},
         **{f"{w} / fp32 (fused)": r(f"shardfn-wire-{w}", "shardfn-fused") for w in ("int8", "fp8", "bf16")
            if f"shardfn-wire-{w}" in t},
+        "jaxloop: loop / train_step (fused)": r("shardfn-jaxloop", "shardfn-fused"),
+        "jaxloop: loop / fsdp2 (fused)": r("shardfn-jaxloop", "fsdp2-fused"),
     }
 
 

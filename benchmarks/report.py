@@ -31,7 +31,8 @@ END = "<!-- end generated: {} -->"
 
 NAMES = {"shardfn-foreach": "shardfn foreach", "shardfn-fused": "shardfn fused", "fsdp2-foreach": "FSDP2 foreach",
          "fsdp2-fused": "FSDP2 fused", "ddp": "DDP (fused)", "shardfn-compiled": "shardfn compiled", "shardfn-compiled-step": "shardfn torch.compile(train)",
-         "fsdp2-compiled": "FSDP2 compiled"}
+         "fsdp2-compiled": "FSDP2 compiled",
+         "shardfn-jaxloop": "shardfn JAX-style loop"}
 # (what, the ratio's key in fsdp_vs_ddp.ratios, at most, the world sizes); on every GPT row
 TARGETS = [
     ("shardfn / FSDP2, both foreach AdamW", "foreach: shardfn / fsdp2", 0.85, (2, 4)),

@@ -255,10 +255,10 @@ def _warn_functorch() -> None:
     if not _warned_functorch:
         _warned_functorch = True
         warnings.warn(
-            "sf.functional(compile=...): under a torch.func transform (torch.func.grad(step), "
-            "sf.train_step(use_func=True)) the compiled blocks run eagerly: torch.compile does not run inside "
-            "torch.func transforms (PyTorch issue #128711). step.grad_and_value, sf.train_step (default) and "
-            "loss.backward() run them compiled.",
+            "sf.functional(compile=...): under a torch.func transform that runs the step at its level (vmap, "
+            "jvp, second order, has_aux=True, a differentiated batch) the compiled blocks run eagerly: "
+            "torch.compile does not run inside torch.func transforms (PyTorch issue #128711). torch.func.grad(step) "
+            "alone, step.grad_and_value, sf.train_step and loss.backward() run them compiled.",
             stacklevel=_user_stacklevel(),
         )
 

@@ -195,9 +195,11 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
       batch_dtype: the dtype of batch leaves given as bare shapes (default: `dtype`).
       rest: extra positional arguments of `loss_fn` (after the batch).
       use_func: differentiate with `torch.func.grad_and_value(step)` instead of
-        `step.grad_and_value` (the path `sf.train_step` takes by default). `torch.func`
-        keeps every saved activation until the backward ends (it builds the graph of the
-        backward too), so its peak is higher.
+        `step.grad_and_value` (the path `sf.train_step` takes by default). On a step alone
+        that runs `step.grad_and_value` below the transform (the same peak); with
+        `has_aux=True` the step runs at the transform's level, where `torch.func` keeps
+        the backward's intermediates until it ends (it builds the graph of the backward
+        too), so its peak is higher (docs/fsdp_design.md, "`torch.func.grad(step)`").
       **shard_options: passed to `sf.shard` (`reshard_after_forward`, `prefetch`,
         `mixed_precision`, `units`, `shard_axes`, ...).
 

@@ -66,6 +66,26 @@ def test_fsdp_vs_ddp_tiny(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_fsdp_vs_ddp_jaxloop_tiny(tmp_path):
+    """The JAX-style loop beside sf.train_step, FSDP2 and DDP in one run: the loop's losses
+    are train_step's with the same fused AdamW, bit for bit, and its ratios are reported."""
+    from benchmarks import fsdp_vs_ddp, report
+
+    methods = ["shardfn-jaxloop", "shardfn-fused", "fsdp2-fused", "ddp"]
+    out = fsdp_vs_ddp.main(["--tiny", "--models", "gpt", "--world-sizes", "2", "--methods", *methods,
+                            "--out", str(tmp_path / "fsdp_vs_ddp")])
+    (row,) = out["results"]
+    assert set(row["step_s"]) == set(methods) and all(t > 0 for t in row["step_s"].values())
+    assert row["losses"]["shardfn-jaxloop"] == row["losses"]["shardfn-fused"]
+    assert row["max_loss_diff_vs_ddp"]["shardfn-jaxloop"] < 1e-4
+    assert row["state_bytes_per_rank"]["shardfn-jaxloop"] == row["state_bytes_per_rank"]["shardfn-fused"]
+    rs = fsdp_vs_ddp.ratios(row)
+    assert rs["jaxloop: loop / train_step (fused)"] > 0 and rs["jaxloop: loop / fsdp2 (fused)"] > 0
+    assert "shardfn JAX-style loop" in report.sections(str(tmp_path))["step-time"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_fsdp_vs_ddp_tiny_all_models_scaling_load_threads(tmp_path):
     """Three tiny models at N = 1 and 2 (the scaling table), with a busy-loop process on the
     cores and each method's thread census."""

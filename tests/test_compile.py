@@ -18,6 +18,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import shardfn as sf
 from shardfn import _compile
+from shardfn._fsdp.funcgrad import wrapped
 from shardfn.testing import run_on_mesh
 from shardfn.testing.models import GPT, GPTConfig, mlp_loss, mlp_params
 
@@ -88,7 +89,9 @@ def train(mesh, apply_fn, params, steps: int = STEPS, how: str = "train_step", o
     opt = sf.optim.adamw(1e-3)
     shards = step.shard_params(params)
     state = opt.init(shards)
-    update = sf.train_step(step, opt, use_func=how == "use_func")
+    update = sf.train_step(step, opt, use_func=how.startswith("use_func"))
+    if how == "use_func_wrapped":  # at the transform's level, not below it
+        update = _in_wrapped(update)
     if how == "compiled_train":
         update = torch.compile(update, **({"backend": backend} if backend is not None else {}))
     losses = []
@@ -98,6 +101,13 @@ def train(mesh, apply_fn, params, steps: int = STEPS, how: str = "train_step", o
         if on_step is not None:
             on_step(i)
     return losses, step.unshard_params(shards)
+
+
+def _in_wrapped(fn):
+    def run(*args):
+        with wrapped():
+            return fn(*args)
+    return run
 
 
 def loss_gap(mesh, apply_fn, params, steps: int, **how) -> float:
@@ -175,13 +185,26 @@ def test_every_way_of_compiling_the_blocks(variant):
     assert (backend.forward, backend.backward) == (calls, calls)
 
 
-def test_under_torch_func_the_blocks_run_eagerly():
+def test_under_torch_func_at_its_level_the_blocks_run_eagerly():
     backend = Counting()
     apply_fn, params = gpt("compile_arg", backend)
     mesh = sf.local_mesh({"data": 2})
     with pytest.warns(UserWarning, match="under a torch.func transform .* the compiled blocks run eagerly"):
-        assert loss_gap(mesh, apply_fn, params, 2, how="use_func") <= 1e-6
+        assert loss_gap(mesh, apply_fn, params, 2, how="use_func_wrapped") <= 1e-6
     assert backend.forward == 0
+
+
+def test_torch_func_grad_of_the_step_alone_runs_the_blocks_compiled():
+    """sf.train_step(use_func=True): torch.func.grad_and_value(step), which runs the step
+    below the transform ([Note: torch.func.grad of a whole step]): no warning, every block's
+    forward and backward compiled."""
+    backend = Counting()
+    apply_fn, params = gpt("compile_arg", backend)
+    mesh = sf.local_mesh({"data": 2})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "sf.functional\\(compile=...\\)")
+        assert loss_gap(mesh, apply_fn, params, 2, how="use_func") <= 1e-6
+    assert (backend.forward, backend.backward) == (CFG.n_layer * 2 * 2, CFG.n_layer * 2 * 2)
 
 
 def test_compiled_train_step_runs_the_step_eagerly():

@@ -186,14 +186,16 @@ def test_torch_utils_checkpoint_in_a_shard_loss_names_remat():
         return h.square().mean()
 
     mesh = sf.local_mesh({"data": 2})
-    for reentrant, entry in ((False, "func"), (True, "func"), (True, "grad_and_value")):
+    # non-reentrant: raised in the forward, inside loss_fn; reentrant: in the backward, which
+    # torch.func.grad(step) runs below the transform ([Note: torch.func.grad of a whole step])
+    for reentrant, entry, where in ((False, "func", "loss_fn"), (True, "func", r"torch.func.grad\(step\)"),
+                                    (True, "grad_and_value", "step.grad_and_value")):
         step = sf.shard(lambda p, x: loss(p, x, reentrant), mesh)
 
         def body():
             shards = step.shard_params(params)
             return torch.func.grad(step)(shards, x) if entry == "func" else step.grad_and_value(shards, x)
 
-        where = "loss_fn" if entry == "func" else "step.grad_and_value"
         with pytest.raises(sf.SpecError, match=rf"(?s)shard: {where}: torch.utils.checkpoint failed inside it.*"
                                                 r"Fix: recompute with sf.remat\(block\)"):
             mesh.run(body)

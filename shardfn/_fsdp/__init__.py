@@ -12,6 +12,7 @@ The modules, in the order data flows through them:
   autograd.py  the autograd Functions (gather a unit, reduce its gradients, the loss mean)
   runtime.py   per rank: `Schedule`, `StepMode`, unit states, leaf resolution
   view.py      shard's side of the params view (`make_view`, `current_scope`, `stacked`)
+  funcgrad.py  `torch.func.grad(step)` of a step alone, run on that path below the transform
   step.py      the public `Shard` step and `shard()`
 
 Generic pieces it uses live below it, so that `sf.functional`, `sf.remat`, `sf.pipeline`

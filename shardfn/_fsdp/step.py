@@ -23,7 +23,7 @@ from .._errors import ShardingError, SpecError
 from .._remat_modules import checkpoint_error
 from .._blocks import slice_block
 from .._spec import chunk_bounds
-from . import tp
+from . import funcgrad, tp
 from .config import Config, MixedPrecision, make_config
 from .plan import Plan, build_plan
 from .batch import local_batch_size
@@ -184,6 +184,10 @@ class Shard:
         reduce-scatter overlapping the backward of the units before it and waited once at
         the end: the fast path that `sf.train_step` takes. Leaves without a gradient get zeros.
         """
+        return self._grad_and_value(shards, batch, *rest)
+
+    def _grad_and_value(self, shards, batch, *rest, where: str = "shard: step.grad_and_value"):
+        """`grad_and_value`, its errors naming `where` (the entry point the user called)."""
         state = self._state(self._plan_for(shards))
         state.mode = StepMode.DEFERRED
         done = False
@@ -191,7 +195,7 @@ class Shard:
             grads, out = eager_grad_and_value(self, shards, batch, *rest, has_aux=self.config.has_aux)
             done = True
         except RuntimeError as e:  # torch.utils.checkpoint in loss_fn: point to sf.remat
-            raise (checkpoint_error(e, "shard: step.grad_and_value") or e) from e
+            raise (checkpoint_error(e, where) or e) from e
         finally:
             state.mode = StepMode.EAGER
             state.finish_deferred(complete=done)
@@ -265,6 +269,12 @@ class Shard:
             state = self._states[key] = RankState(plan, self.mesh, self.config)
         return state
 
+    def _mode(self, plan: Plan) -> StepMode:
+        """This rank's step mode for `plan`, without creating its RankState (which, made
+        under a transform, would hold that transform's tensors)."""
+        state = self._states.get((self.mesh.rank, id(plan)))
+        return state.mode if state is not None and state.plan is plan else StepMode.EAGER
+
     def _check_shards(self, plan: Plan, paths, leaves, index: int) -> None:
         for layout, path, leaf in zip(plan.leaves, paths, leaves):
             expected = layout.local_shape(index, plan.k) if layout.sharded else layout.shape
@@ -318,6 +328,8 @@ class Shard:
             )
         plan = self._plan_for(shards)
         paths, leaves, treedef = _tree.flatten_with_paths(shards)
+        if funcgrad.eligible(self, self._mode(plan), leaves, (batch, *rest)):  # [Note: torch.func.grad of a whole step]
+            return funcgrad.grad_path(self, shards, (batch, *rest))
         state = self._state(plan)
         self._check_shards(plan, paths, leaves, state.groups.shard_index)
         device = next((x.device for x in leaves), mesh.device)
