@@ -1,0 +1,208 @@
+"""Training across machines, on one: two `torchrun` launchers with a c10d rendezvous on
+localhost play two nodes (examples/multinode.py, HSDP over {'node': 2, 'gpu': 2}).
+
+- the two-launcher run's losses equal the single-launcher run's (`torchrun
+  --nproc-per-node 4`, same mesh, seed and data) bit for bit;
+- SIGKILL one "node" (its launcher and its workers) mid-run: the other launcher fails fast
+  with a message that says a peer is gone, and rerunning both launchers resumes from the
+  last checkpoint and ends with the losses and parameters of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import shardfn as sf
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "multinode.py")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+ENV["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, ENV.get("PYTHONPATH")]))  # this checkout's shardfn
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+RUN_TIMEOUT_S = 240  # one launcher's whole run; a bound on a hang, far above the ~10-20 s it takes
+
+
+def free_port() -> int:
+    """A port nobody listens on now (the OS picks it: bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc: torchrun starts each worker in a new
+    session, so killing the launcher's process group leaves its workers running)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:  # exited meanwhile
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after "(comm)"
+                out.append(int(entry))
+    return out
+
+
+class Launcher:
+    """One `torchrun` process (a "node"), in its own session, its output in a log file."""
+
+    def __init__(self, tmp_path, name: str, torchrun_args: list, script_args: list):
+        self.name, self.log = name, tmp_path / f"{name}.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([*TORCHRUN, *torchrun_args, SCRIPT, *script_args], cwd=ROOT, env=ENV,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait(self, timeout: float = RUN_TIMEOUT_S) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"launcher {self.name} still running after {timeout} s:\n{self.text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and its workers, as a machine that loses power would stop."""
+        workers = _children(self.proc.pid)
+        for pid in [self.proc.pid, *workers]:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # each one leads its own session (see _children)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+
+    def ensure_dead(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+
+
+def wait_until(predicate, timeout: float, what: str, launchers=()):
+    """Poll `predicate` until it holds (no sleep-for-timing: a deadline on a condition)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {n.name}:\n{n.text()[-2000:]}" for n in launchers)
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{logs}")
+        for n in launchers:
+            if n.proc.poll() is not None and n.proc.returncode != 0:
+                raise AssertionError(f"launcher {n.name} failed ({n.proc.returncode}) while waiting for {what}:\n"
+                                     f"{n.text()[-3000:]}")
+        time.sleep(0.05)  # the polling interval, not a timing assumption
+
+
+def listening(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_two_nodes(tmp_path, tag: str, script_args: list, port: int) -> list[Launcher]:
+    """Two launchers with one c10d rendezvous at localhost:`port`. Node a starts first and
+    hosts the rendezvous store (the launcher whose host matches the endpoint and binds the
+    port first serves it), so a test knows which node it kills."""
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"{tag}-{port}", "--max-restarts", "0"]
+    a = Launcher(tmp_path, f"{tag}-node-a", common, script_args)
+    try:
+        wait_until(lambda: listening(port), 60, f"node a's rendezvous store on port {port}", [a])
+        b = Launcher(tmp_path, f"{tag}-node-b", common, script_args)
+    except BaseException:
+        a.ensure_dead()
+        raise
+    return [a, b]
+
+
+def run_two_nodes(tmp_path, tag: str, script_args: list) -> dict:
+    nodes = start_two_nodes(tmp_path, tag, script_args, free_port())
+    try:
+        for n in nodes:
+            assert n.wait() == 0, f"launcher {n.name} failed:\n{n.text()[-4000:]}"
+    finally:
+        for n in nodes:
+            n.ensure_dead()
+    return nodes
+
+
+def run_one_launcher(tmp_path, tag: str, script_args: list) -> Launcher:
+    n = Launcher(tmp_path, tag, ["--standalone", "--nproc-per-node", "4"], ["--mesh", "2x2", *script_args])
+    try:
+        assert n.wait() == 0, f"launcher {n.name} failed:\n{n.text()[-4000:]}"
+    finally:
+        n.ensure_dead()
+    return n
+
+
+def losses(path) -> list[float]:
+    with open(path) as f:
+        return json.load(f)["losses"]
+
+
+def assert_same_params(a, b):
+    leaves = torch.utils._pytree.tree_leaves
+    assert len(leaves(a)) == len(leaves(b)) > 0
+    diffs = [(x - y).abs().max().item() for x, y in zip(leaves(a), leaves(b))]
+    assert all(torch.equal(x, y) for x, y in zip(leaves(a), leaves(b))), f"max |diff| per leaf: {diffs}"
+
+
+TINY = ["--tiny", "--quiet"]
+
+
+@pytest.mark.slow  # ~25 s: two launchers (4 workers), then one
+@pytest.mark.ci
+def test_two_launchers_equal_one_launcher(tmp_path):
+    args = [*TINY, "--steps", "8"]
+    run_two_nodes(tmp_path, "two", [*args, "--out", str(tmp_path / "two.json")])
+    run_one_launcher(tmp_path, "one", [*args, "--out", str(tmp_path / "one.json")])
+    two, one = losses(tmp_path / "two.json"), losses(tmp_path / "one.json")
+    assert len(two) == 8 and two[-1] < two[0]  # it trained
+    assert two == one  # bit-identical: same ranks, same groups, same reduction order
+
+
+@pytest.mark.slow  # ~60 s: a reference run, a killed run and its restart
+def test_killed_node_fails_fast_and_restart_matches_uninterrupted_run(tmp_path):
+    steps, every = 24, 3
+    args = [*TINY, "--steps", str(steps), "--ckpt-every", str(every), "--timeout", "30"]
+    run_one_launcher(tmp_path, "straight", [*args, "--out", str(tmp_path / "straight.json"),
+                                            "--params-out", str(tmp_path / "straight.pt")])
+
+    ckpt = tmp_path / "ckpt"
+    run = [*args, "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "killed.json"),
+           "--params-out", str(tmp_path / "killed.pt")]
+    port = free_port()
+    a, b = start_two_nodes(tmp_path, "killed", run, port)
+    try:
+        first = os.path.join(str(ckpt), f"step_{every:06d}")
+        wait_until(lambda: sf.checkpoint.latest(str(ckpt)) is not None, RUN_TIMEOUT_S, f"{first}", [a, b])
+        b.kill()  # node b (not the rendezvous host) loses power
+        killed_at = time.monotonic()
+        rc = a.wait(90)  # --timeout 30 bounds it; a closed connection ends it at once
+        failed_after = time.monotonic() - killed_at
+    finally:
+        a.ensure_dead()
+        b.ensure_dead()
+    log = a.text()
+    assert rc != 0, log[-3000:]
+    assert "lost a peer mid-step" in log and "rerun the same command on every node" in log, log[-4000:]
+    assert failed_after < 60, failed_after
+    print(f"node a failed {failed_after:.1f} s after node b was killed")
+    assert not (tmp_path / "killed.json").exists()  # it was killed mid-run, before the end
+
+    resumed = sf.checkpoint.latest(str(ckpt))
+    run_two_nodes(tmp_path, "restart", run)  # the same command, a fresh rendezvous
+    with open(tmp_path / "killed.json") as f:
+        report = json.load(f)
+    assert 0 < report["resumed_at"] < steps and resumed.endswith(f"step_{report['resumed_at']:06d}")
+    assert report["losses"] == losses(tmp_path / "straight.json")
+    assert_same_params(torch.load(tmp_path / "killed.pt"), torch.load(tmp_path / "straight.pt"))
