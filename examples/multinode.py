@@ -152,7 +152,7 @@ def main(argv=None):
             raise
         latest = sf.checkpoint.latest(args.checkpoint_dir) if args.checkpoint_dir else None
         print(f"multinode.py: rank {mesh.rank} lost a peer mid-step ({type(e).__name__}: {str(e).splitlines()[0]}).\n"
-              f"A node (or one of its processes) is gone; this job cannot go on without it.\n"
+              f"A node (or one of its processes) died or stopped responding; this job cannot go on without it.\n"
               f"Fix: rerun the same command on every node; training resumes from "
               f"{latest or 'step 0 (no checkpoint yet: pass --checkpoint-dir)'}.", file=sys.stderr, flush=True)
         os._exit(1)  # no atexit: tearing down gloo groups whose peers are gone can block

@@ -84,6 +84,11 @@ class Launcher:
                 pass
         self.proc.wait(30)
 
+    def freeze(self) -> None:
+        """SIGSTOP the launcher and its workers: a node that hangs (its connections stay open)."""
+        for pid in [self.proc.pid, *_children(self.proc.pid)]:
+            os.killpg(pid, signal.SIGSTOP)
+
     def ensure_dead(self) -> None:
         if self.proc.poll() is None:
             self.kill()
@@ -170,8 +175,11 @@ def test_two_launchers_equal_one_launcher(tmp_path):
     assert two == one  # bit-identical: same ranks, same groups, same reduction order
 
 
-@pytest.mark.slow  # ~60 s: a reference run, a killed run and its restart
-def test_killed_node_fails_fast_and_restart_matches_uninterrupted_run(tmp_path):
+@pytest.mark.slow  # ~70 s each: a reference run, a killed run and its restart
+@pytest.mark.parametrize("dead", ["worker-node", "rendezvous-host"])
+def test_killed_node_fails_fast_and_restart_matches_uninterrupted_run(tmp_path, dead):
+    """`rendezvous-host`: the node that dies also served the c10d store the survivors' agent
+    talks to; the survivor must still stop, not wait on the store."""
     steps, every = 24, 3
     args = [*TINY, "--steps", str(steps), "--ckpt-every", str(every), "--timeout", "30"]
     run_one_launcher(tmp_path, "straight", [*args, "--out", str(tmp_path / "straight.json"),
@@ -185,18 +193,19 @@ def test_killed_node_fails_fast_and_restart_matches_uninterrupted_run(tmp_path):
     try:
         first = os.path.join(str(ckpt), f"step_{every:06d}")
         wait_until(lambda: sf.checkpoint.latest(str(ckpt)) is not None, RUN_TIMEOUT_S, f"{first}", [a, b])
-        b.kill()  # node b (not the rendezvous host) loses power
+        victim, survivor = (b, a) if dead == "worker-node" else (a, b)
+        victim.kill()  # the node loses power
         killed_at = time.monotonic()
-        rc = a.wait(90)  # --timeout 30 bounds it; a closed connection ends it at once
+        rc = survivor.wait(90)  # --timeout 30 bounds it; a closed connection ends it at once
         failed_after = time.monotonic() - killed_at
     finally:
         a.ensure_dead()
         b.ensure_dead()
-    log = a.text()
+    log = survivor.text()
     assert rc != 0, log[-3000:]
     assert "lost a peer mid-step" in log and "rerun the same command on every node" in log, log[-4000:]
     assert failed_after < 60, failed_after
-    print(f"node a failed {failed_after:.1f} s after node b was killed")
+    print(f"{dead} killed: the survivor failed {failed_after:.1f} s later")
     assert not (tmp_path / "killed.json").exists()  # it was killed mid-run, before the end
 
     resumed = sf.checkpoint.latest(str(ckpt))
@@ -206,3 +215,29 @@ def test_killed_node_fails_fast_and_restart_matches_uninterrupted_run(tmp_path):
     assert 0 < report["resumed_at"] < steps and resumed.endswith(f"step_{report['resumed_at']:06d}")
     assert report["losses"] == losses(tmp_path / "straight.json")
     assert_same_params(torch.load(tmp_path / "killed.pt"), torch.load(tmp_path / "straight.pt"))
+
+
+@pytest.mark.slow  # ~40 s
+def test_frozen_node_fails_the_others_within_the_timeout(tmp_path):
+    """A node that stops responding but keeps its connections open (SIGSTOP: a hung driver, a
+    swapping host) is only noticed by the collective timeout: the survivors must stop within
+    `--timeout` (plus start-up of the error path), with the same readable message."""
+    timeout = 10
+    ckpt = tmp_path / "ckpt"
+    run = [*TINY, "--steps", "200", "--ckpt-every", "2", "--timeout", str(timeout), "--checkpoint-dir", str(ckpt)]
+    a, b = start_two_nodes(tmp_path, "frozen", run, free_port())
+    try:
+        wait_until(lambda: sf.checkpoint.latest(str(ckpt)) is not None, RUN_TIMEOUT_S, "the first checkpoint", [a, b])
+        b.freeze()
+        frozen_at = time.monotonic()
+        rc = a.wait(timeout * 6)
+        failed_after = time.monotonic() - frozen_at
+    finally:
+        b.ensure_dead()  # SIGKILL ends stopped processes too
+        a.ensure_dead()
+    log = a.text()
+    assert rc != 0, log[-3000:]
+    assert "lost a peer mid-step (CollectiveTimeoutError" in log, log[-4000:]
+    assert "rerun the same command on every node" in log
+    print(f"node b frozen: node a failed {failed_after:.1f} s later (--timeout {timeout})")
+    assert failed_after < timeout * 4, failed_after
