@@ -14,6 +14,9 @@ Methods (`METHODS`):
   fsdp2-foreach     fully_shard on every block and the root + torch.optim.AdamW(foreach=True)
   fsdp2-fused       the same with AdamW(fused=True)
   ddp               DistributedDataParallel (no buffer broadcast, gradients as bucket views) + AdamW(fused=True)
+  --compressed adds: shardfn-wire-bf16 / -fp8 / -int8 (MixedPrecision(all_gather_dtype=w,
+                    reduce_scatter_dtype=w), fused AdamW; fp32 masters and compute) and fsdp2-bf16
+                    (MixedPrecisionPolicy(param_dtype=bf16): bf16 all-gather and compute)
   --compile adds:   fsdp2-compiled (block.compile() on each block, then fully_shard; fused AdamW) and
                     shardfn-compiled (sf.functional(model, compile=True); fused AdamW) and
                     shardfn-compiled-step (torch.compile(sf.train_step(...)) of the plain model)
@@ -170,21 +173,23 @@ class Trainer:
     shard_step: object = None  # shardfn's step, for its stats()
 
 
-def _shardfn(spec, mesh, batch, fused=False, compile_=False, compile_step=False):
+def _shardfn(spec, mesh, batch, fused=False, compile_=False, compile_step=False, wire=None):
     apply_fn, params = sf.functional(build_model(spec), compile=compile_)
-    step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
+    mp = None if wire is None else sf.MixedPrecision(all_gather_dtype=wire, reduce_scatter_dtype=wire)
+    step = sf.shard(lambda p, b: apply_fn(p, *b), mesh, mixed_precision=mp)
     return Trainer(*shardfn_trainer(step, params, batch, fused=fused, compile_step=compile_step), shard_step=step)
 
 
-def _fsdp2(spec, mesh, batch, fused=False, compile_=False):
-    from torch.distributed.fsdp import fully_shard
+def _fsdp2(spec, mesh, batch, fused=False, compile_=False, param_dtype=None):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build_model(spec)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for block in blocks_of(model):
         if compile_:
             block.compile()
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     return Trainer(*torch_trainer(model, batch, fused=fused))
 
 
@@ -209,7 +214,17 @@ COMPILED = {
     "shardfn-compiled-step": lambda s, m, b: _shardfn(s, m, b, fused=True, compile_step=True),
     "fsdp2-compiled": lambda s, m, b: _fsdp2(s, m, b, fused=True, compile_=True),
 }
-ALL_METHODS = {**METHODS, **COMPILED}
+# Compressed communication (MixedPrecision.all_gather_dtype / reduce_scatter_dtype): fp32
+# master shards and compute, the all-gather and the gradient reduction on the wire in the
+# format named. FSDP2's nearest option is a bf16 parameter all-gather, which also computes
+# in bf16 (MixedPrecisionPolicy(param_dtype=bf16), fp32 gradient reduction).
+COMPRESSED = {
+    "shardfn-wire-bf16": lambda s, m, b: _shardfn(s, m, b, fused=True, wire=torch.bfloat16),
+    "shardfn-wire-fp8": lambda s, m, b: _shardfn(s, m, b, fused=True, wire=torch.float8_e4m3fn),
+    "shardfn-wire-int8": lambda s, m, b: _shardfn(s, m, b, fused=True, wire="int8"),
+    "fsdp2-bf16": lambda s, m, b: _fsdp2(s, m, b, fused=True, param_dtype=torch.bfloat16),
+}
+ALL_METHODS = {**METHODS, **COMPILED, **COMPRESSED}
 
 
 # -- one world size: every method in the same processes -------------------------------------
@@ -378,7 +393,8 @@ def best(row: dict, family: str) -> tuple[str, float] | None:
     count only when both families have one (FSDP2 compiled against shardfn compiled)."""
     t = row["step_s"]
     both_compiled = "shardfn-compiled" in t and "fsdp2-compiled" in t
-    cands = [m for m in t if m.startswith(family + "-") and (both_compiled or "-compiled" not in m)]
+    cands = [m for m in t if m.startswith(family + "-") and (both_compiled or "-compiled" not in m)
+             and m not in COMPRESSED]  # other numerics: compared in their own ratios
     if not cands:
         return None
     m = min(cands, key=t.get)
@@ -400,6 +416,10 @@ def ratios(row: dict) -> dict:
         "best: shardfn / fsdp2": sb[1] / fb[1] if sb and fb else None,
         "best: shardfn / ddp": sb[1] / t["ddp"] if sb and "ddp" in t else None,
         "shardfn-best / fsdp2-compiled": sb[1] / t["fsdp2-compiled"] if sb and "fsdp2-compiled" in t else None,
+        **{f"{w}: shardfn / ddp": r(f"shardfn-wire-{w}", "ddp") for w in ("int8", "fp8", "bf16")
+           if f"shardfn-wire-{w}" in t},
+        **{f"{w} / fp32 (fused)": r(f"shardfn-wire-{w}", "shardfn-fused") for w in ("int8", "fp8", "bf16")
+           if f"shardfn-wire-{w}" in t},
     }
 
 
@@ -429,6 +449,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--methods", nargs="+", default=None, choices=list(ALL_METHODS),
                         help="default: the five of METHODS (and the compiled ones with --compile)")
     parser.add_argument("--compile", action="store_true", help="add fsdp2-compiled, shardfn-compiled and shardfn-compiled-step")
+    parser.add_argument("--compressed", action="store_true",
+                        help="add shardfn-wire-{bf16,fp8,int8} (compressed all-gather + reduce-scatter) and fsdp2-bf16")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per timed block (default: the model's, 1-5: a block of a second or more)")
@@ -445,7 +467,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=os.path.join(RESULTS, "fsdp_vs_ddp"), help="JSON path, without .json")
     args = parser.parse_args(argv)
     if args.methods is None:
-        args.methods = list(METHODS) + (list(COMPILED) if args.compile else [])
+        args.methods = (list(METHODS) + (list(COMPILED) if args.compile else [])
+                        + (list(COMPRESSED) if args.compressed else []))
     if args.tiny:
         args.reps, args.steps = 1, 1
     env = _common.environment("benchmarks.fsdp_vs_ddp", argv)

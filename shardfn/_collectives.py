@@ -1,7 +1,7 @@
 """Named-axis collectives: one autograd.Function each, its transpose beside it.
 
-Every collective runs on the mesh bound by the enclosing `shard_map` / `shard` and takes
-an axis name or tuple of names. Each Function has:
+Every collective runs on the mesh bound by the enclosing `shard_map` / `shard` (`_binding.py`)
+and takes an axis name or tuple of names. Each Function has:
 - `forward` on plain tensors (functorch unwraps them for us) calling `_backend.ops`;
 - `setup_context` capturing the process group, since a backward often runs after the
   shard_map call has returned;
@@ -16,15 +16,15 @@ _shard_map.py for the two boundary halves that make that correct.
 
 from __future__ import annotations
 
-import threading
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from . import _tree, _vma
 from ._backend import ops
 from ._backend.base import Group
-from ._errors import ShardingError, SpecError
+from ._binding import bound_mesh, current_binding
+from ._errors import SpecError
 
 __all__ = [
     "psum",
@@ -39,66 +39,7 @@ __all__ = [
     "pvary",
     "axis_index",
     "axis_size",
-    "bound_mesh",
-    "binding",
-    "current_binding",
 ]
-
-# -- which mesh the collectives talk to ------------------------------------------------
-
-_state = threading.local()
-
-
-class binding:
-    """Bind `mesh` for the collectives called in this thread (used by shard_map / shard).
-
-    `check(op, axes)`, when given, vets the axes of every communicating collective (shard
-    refuses axes it would not reduce gradients over). `manual`: the axes the code inside
-    is manual over (collectives may name only those); None: every axis of the mesh.
-    `types`: the typed scope of a shard_map with check_vma ([Note: varying axes]); None:
-    untyped (shard's loss_fn, check_vma=False), where the collectives use the boundary
-    rule ([Note: the psum transpose rule])."""
-
-    def __init__(self, mesh, check: Callable[[str, tuple[str, ...]], None] | None = None,
-                 manual: tuple[str, ...] | None = None, types: _vma.Types | None = None):
-        self.mesh = mesh
-        self.check = check
-        self.manual = tuple(mesh.axis_names) if manual is None else tuple(a for a in mesh.axis_names if a in manual)
-        self.types = types
-
-    def __enter__(self):
-        if getattr(_state, "stack", None) is None:
-            _state.stack = []
-        _state.stack.append(self)
-        _vma.enter(self.types)
-        return self.mesh
-
-    def __exit__(self, *exc):
-        _vma.exit()
-        _state.stack.pop()
-
-
-def current_binding() -> binding | None:
-    """The innermost binding on this thread (mesh, axes check, manual axes), to re-enter
-    later (remat's recompute runs in the backward, after the shard_map / shard call has
-    returned) or to nest in (a shard_map inside another, or inside shard's loss_fn)."""
-    stack = getattr(_state, "stack", None)
-    return stack[-1] if stack else None
-
-
-def bound_mesh(op: str | None = None, axis=None):
-    """The mesh of the innermost shard_map / shard on this thread; error outside one."""
-    current = current_binding()
-    if current is not None:
-        return current.mesh
-    if op is None:
-        return None
-    raise ShardingError(
-        f"{op}(axis={axis!r}) was called outside shard_map / shard: named-axis collectives need "
-        f"a mesh to resolve the axis name.\nFix: call it inside a function wrapped with "
-        f"sf.shard_map(f, mesh, in_specs, out_specs) (or the loss_fn of sf.shard)."
-    )
-
 
 def _axes(op: str, axis) -> tuple[str, ...]:
     """The axes `axis` names, all manual in the innermost binding (checked)."""

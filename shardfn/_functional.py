@@ -35,7 +35,7 @@ from torch import nn
 from ._compile import CompiledForward, OnRequest, compile_context, compile_options, not_traced
 from ._errors import SpecError
 from ._tree import keystr
-from ._fsdp.view import together
+from ._params_view import together
 from ._init.buffers import fill_meta_buffers
 from ._remat_modules import checkpointing, takes_use_cache, turn_off_checkpointing, without_cache
 

@@ -20,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _tree
 from . import _vma
-from ._collectives import current_binding
+from ._binding import current_binding
 from ._errors import SpecError
-from ._fsdp.view import materialize
+from ._params_view import materialize
 from ._remat_state import Recompute, Trace, Tracker, check_outputs, fingerprint, nested
 
 __all__ = ["remat", "tag", "Policy", "policies"]

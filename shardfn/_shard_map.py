@@ -24,7 +24,7 @@ from . import _tree, _vma
 from ._backend import ops
 from ._agree import check_same_everywhere
 from ._blocks import check_tensor, checked_spec, gather_blocks, slice_block, check_no_empty_blocks
-from ._collectives import binding, current_binding
+from ._binding import binding, current_binding
 from ._errors import ShardingError, SpecError
 from ._global import global_call
 from ._spec import PartitionSpec, as_spec, is_spec, validate_spec

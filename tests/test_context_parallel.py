@@ -500,7 +500,7 @@ def test_meta_tensors_dry_run(name):
     """On meta tensors in a dry run (what sf.estimate does): shapes out, collectives recorded
     with the documented counts, no data moved."""
     from shardfn._backend import ops
-    from shardfn._collectives import binding
+    from shardfn._binding import binding
 
     mesh = sf.local_mesh({"seq": 2})
 

@@ -1,7 +1,11 @@
 """The package's public surface: `import shardfn` is light, and `sf.testing` is a lazy attribute."""
 
+import ast
+import pathlib
 import subprocess
 import sys
+
+import shardfn
 
 
 def run_python(code: str) -> str:
@@ -44,3 +48,82 @@ def test_sf_nn_is_public():
     out = run_python("import shardfn as sf; print('nn' in sf.__all__, sorted(sf.nn.__all__))")
     assert out.split(" ", 1) == ["True", "['positions', 'ring_attention', 'rotary', 'ulysses_attention', 'unzigzag', "
                                          "'zigzag']\n"]
+
+
+# -- layering: data flows one way (DESIGN.md's layout), checked on the source's imports ---
+
+PACKAGE = pathlib.Path(shardfn.__file__).parent
+
+# (modules, packages none of them may import); a name covers its submodules. Imports inside
+# functions count too: a lazy import is still a dependency.
+LAYERS = [
+    # the generic helpers under the transforms: the params view, eager grad, mesh binding
+    (("shardfn._params_view", "shardfn._autodiff", "shardfn._binding"),
+     ("shardfn._collectives", "shardfn._shard_map", "shardfn._fsdp", "shardfn._remat", "shardfn._functional",
+      "shardfn._pipeline", "shardfn.optim", "shardfn._hf", "shardfn._estimate")),
+    # what uses those helpers does not reach into shard for them
+    (("shardfn.optim", "shardfn._functional", "shardfn._remat", "shardfn._remat_state", "shardfn._remat_modules",
+      "shardfn._pipeline", "shardfn._compile", "shardfn._collectives", "shardfn._shard_map", "shardfn.nn"),
+     ("shardfn._fsdp",)),
+    # the collectives sit under the transforms built on them
+    (("shardfn._collectives",), ("shardfn._shard_map", "shardfn._remat", "shardfn._pipeline")),
+    # shard does not import what is built on it
+    (("shardfn._fsdp",),
+     ("shardfn.optim", "shardfn._functional", "shardfn._pipeline", "shardfn._hf", "shardfn._estimate",
+      "shardfn._checkpoint", "shardfn.checkpoint")),
+]
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def shardfn_imports(path: pathlib.Path) -> set[str]:
+    """The shardfn modules (or names in them) that the file at `path` imports, relative
+    imports resolved; `from . import x` yields `package.x`."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return {m for m in found if m == "shardfn" or m.startswith("shardfn.")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(p): shardfn_imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_import_parser_sees_relative_lazy_and_package_imports():
+    graph = import_graph()
+    assert "shardfn._autodiff" in graph["shardfn._fsdp.step"]  # `from .._autodiff import ...`
+    assert "shardfn._autodiff" in graph["shardfn.optim.train"]
+    assert "shardfn._fsdp" in graph["shardfn._estimate"]  # a lazy `from ._fsdp import shard` in a function
+    assert "shardfn._binding" in graph["shardfn.nn._layout"]  # `from .. import _binding, ...`
+    assert "shardfn._params_view" in graph["shardfn._fsdp.view"]
+    assert graph["shardfn._errors"] == set()
+
+
+def test_layers_import_only_downwards():
+    graph = import_graph()
+    broken = []
+    for modules, forbidden in LAYERS:
+        for module in modules:
+            covered = [m for m in graph if within(m, module)]
+            assert covered, f"LAYERS names {module!r}, which is not a module of shardfn"
+            broken += [f"{m} imports {i}" for m in covered for i in sorted(graph[m])
+                       if any(within(i, f) for f in forbidden)]
+    assert broken == [], "imports against the layering (DESIGN.md's layout):\n" + "\n".join(broken)

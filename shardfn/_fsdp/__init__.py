@@ -10,9 +10,15 @@ The modules, in the order data flows through them:
   batch.py     the loss mean over the data axes and uneven local batches (`batch_weighting`)
   autograd.py  the autograd Functions (gather a unit, reduce its gradients, the loss mean)
   runtime.py   per rank: `Schedule`, `StepMode`, unit states, leaf resolution
-  view.py      the read-only params view `loss_fn` receives, fetching leaves on first access
-  eager.py     `grad_and_value` on eager autograd (the training fast path)
+  view.py      shard's side of the params view (`make_view`, `current_scope`, `stacked`)
   step.py      the public `Shard` step and `shard()`
+
+Generic pieces it uses live below it, so that `sf.functional`, `sf.remat`, `sf.pipeline`
+and `sf.optim` never import `shard` (tests/test_package.py checks the layering):
+
+  ../_params_view.py  the read-only params view `loss_fn` receives, `together`, `materialize`
+  ../_autodiff.py     `eager_grad_and_value`: `grad_and_value` on eager autograd (the fast path)
+  ../_binding.py      the thread-local mesh binding (`shard` and `shard_map` push it)
 
 docs/fsdp_design.md explains the design.
 """

@@ -8,6 +8,7 @@ from typing import Any, Callable, Hashable, NamedTuple
 import torch
 
 from .._errors import SpecError
+from .._quant import Wire
 from .._spec import PartitionSpec
 from .batch import check_weighting
 
@@ -17,12 +18,24 @@ __all__ = ["MixedPrecision", "Config", "make_config", "resolve_reshard"]
 class MixedPrecision(NamedTuple):
     """Dtypes for `shard`: shards (master weights) keep theirs; gathers and compute run in
     `param_dtype`, gradient reductions in `reduce_dtype`, the loss is returned in
-    `output_dtype`; floating batch tensors are cast to `param_dtype` when `cast_inputs`."""
+    `output_dtype`; floating batch tensors are cast to `param_dtype` when `cast_inputs`.
+
+    Compressed communication ([Note: wire formats] in shardfn/_quant.py): with
+    `all_gather_dtype`, each unit's shards travel the all-gather in that format (quantized
+    once per step from the master shards, dequantized into the unit's buffer in the
+    compute dtype); with `reduce_scatter_dtype`, gradients travel quantized (an all-to-all
+    of quantized chunks, summed in float32 by the receiving rank: ZeRO++'s qgZ). Either is
+    None (full precision), torch.bfloat16 / torch.float16 (a cast), torch.float8_e4m3fn /
+    torch.float8_e5m2 (per-block scales) or "int8" (per-block symmetric); `block_size`
+    elements share a scale."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_inputs: bool = True
+    all_gather_dtype: torch.dtype | str | None = None
+    reduce_scatter_dtype: torch.dtype | str | None = None
+    block_size: int = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +80,8 @@ def make_config(loss_fn, mesh, *, data_axes, shard_axes, units, reshard_after_fo
             dtype = getattr(mixed_precision, field)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise SpecError(f"shard: MixedPrecision.{field} must be a floating torch.dtype or None, got {dtype!r:.60}")
+        for field in ("all_gather_dtype", "reduce_scatter_dtype"):
+            Wire.of(getattr(mixed_precision, field), mixed_precision.block_size, where=f"shard: MixedPrecision.{field}")
     if isinstance(loss_fn, torch.nn.Module):
         raise SpecError(
             f"shard: sf.shard takes a loss function of explicit parameters, loss_fn(params, batch) -> scalar, "

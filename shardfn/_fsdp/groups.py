@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from .._quant import Wire
+from .config import MixedPrecision
 from .plan import Plan, hpz_rows
 
 __all__ = ["Groups"]
@@ -26,6 +28,8 @@ class Groups:
     tp_size: int  # ranks over the tensor-parallel axes ([Note: FSDP x TP])
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
+    gather_wire: Wire | None = None  # MixedPrecision.all_gather_dtype ([Note: wire formats] in _quant.py)
+    reduce_wire: Wire | None = None  # MixedPrecision.reduce_scatter_dtype
 
     @property
     def shard_index(self) -> int:
@@ -38,8 +42,8 @@ class Groups:
             hpz = mesh.group(config.reshard_axes)
             rows, positions = hpz_rows(mesh, config.shard_axes, config.reshard_axes)
             keep, order = torch.tensor(rows, device=mesh.device), torch.tensor(positions, device=mesh.device)
-        mp = config.mixed_precision
+        mp = config.mixed_precision or MixedPrecision()
         return cls(mesh, mesh.device, mesh.group(config.shard_axes), mesh.group(config.data_axes),
                    mesh.group(mesh.axis_names), hpz, keep, order,
-                   mesh.axis_size(plan.tp_axes) if plan.tp_axes else 1,
-                   mp.param_dtype if mp is not None else None, mp.reduce_dtype if mp is not None else None)
+                   mesh.axis_size(plan.tp_axes) if plan.tp_axes else 1, mp.param_dtype, mp.reduce_dtype,
+                   Wire.of(mp.all_gather_dtype, mp.block_size), Wire.of(mp.reduce_scatter_dtype, mp.block_size))

@@ -17,14 +17,14 @@ from .. import _tree
 from .._backend import ops
 from .._compile import WHOLE_STEP, not_traced
 from .._agree import check_same_everywhere
-from .._collectives import binding, bound_mesh
+from .._autodiff import eager_grad_and_value
+from .._binding import binding, bound_mesh
 from .._errors import ShardingError, SpecError
 from .._remat_modules import checkpoint_error
 from .._blocks import slice_block
 from .._spec import chunk_bounds
 from . import tp
 from .config import Config, MixedPrecision, make_config
-from .eager import eager_grad_and_value
 from .plan import Plan, build_plan
 from .batch import local_batch_size
 from .reduce import Stats

@@ -25,8 +25,9 @@ import torch
 
 from .. import _tree
 from .._backend import ops
-from .._collectives import bound_mesh
+from .._binding import bound_mesh
 from .._errors import ShardingError
+from .._params_view import ParamsView, materialize
 from .._spec import P
 from . import checks
 from .executor import Stage, execute
@@ -154,8 +155,6 @@ class Pipeline:
         return mesh
 
     def __call__(self, params, batch):
-        from .._fsdp.view import ParamsView, materialize
-
         if isinstance(params, ParamsView):
             params = materialize(params)
         if not isinstance(params, Mapping) or "layers" not in params:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _collectives, _vma
+from .. import _binding, _collectives, _vma
 from .._errors import ShardingError
 
 __all__ = ["LAYOUTS", "zigzag", "unzigzag", "positions", "chunk_ids", "check_layout"]
@@ -138,7 +138,7 @@ def positions(t_local: int, axis, *, layout: str = "contiguous", device=None) ->
     """
     where = f"positions(t_local={t_local}, axis={axis!r}, layout={layout!r})"
     check_layout(layout, where)
-    mesh = _collectives.bound_mesh("positions", axis)
+    mesh = _binding.bound_mesh("positions", axis)
     group = mesh.group(mesh.axes(axis, where=where))  # no communication: no axes check
     if isinstance(t_local, bool) or not isinstance(t_local, int) or t_local < 0:
         raise ShardingError(f"{where}: t_local must be a non-negative int (this rank's sequence length).")

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 
 from .._compile import not_traced
-from .._fsdp.eager import eager_grad_and_value
+from .._autodiff import eager_grad_and_value
 from .base import GradientTransformation, apply_updates
 
 

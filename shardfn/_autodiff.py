@@ -5,6 +5,9 @@ leaves (same storage, so in-place updates reach the caller's tensors). It skips
 functorch's per-op wrapping, and the gradients are autograd outputs, never accumulated
 into `.grad`, so nothing reads them before the backward returns. Leaves without a
 gradient get zeros, as with `torch.func.grad`.
+
+It sits below both of its users, `sf.shard`'s step (`_fsdp/step.py`) and `sf.train_step`
+(`optim/train.py`), so that neither package imports the other.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .. import _tree
+from . import _tree
 
 __all__ = ["eager_grad_and_value"]
 

@@ -1,0 +1,209 @@
+"""Wire formats for compressed collectives: a float tensor <-> the bytes one rank sends.
+
+`shard`'s quantized all-gather (ZeRO++'s qwZ) and reduce-scatter (qgZ) send each chunk as
+one `uint8` row: the chunk quantized block by block, with each block's scale. This module
+is the format and nothing else: pure functions on the last dim, any leading dims (a
+`(k, S)` buffer encodes row by row), no collectives, no state.
+
+[Note: wire formats]
+`Wire.of(spec, block)` names a format; `spec` is what the user passes
+(`MixedPrecision.all_gather_dtype` / `reduce_scatter_dtype`):
+
+  torch.bfloat16, torch.float16   a plain cast, no scales
+  torch.float8_e4m3fn, _e5m2      per block: scale = amax / fp8 max, x / scale cast to fp8
+  "int8"                          per block: symmetric, scale = amax / 127, round(x / scale)
+
+A row of `n` elements is `[scales | payload | padding]`, padded to a multiple of 8 bytes so
+every row's scales and payload are aligned for `.view(dtype)`. Scales are float32 (float64
+when the tensor is float64, so huge float64 values keep their range). `nbytes(n)` is the
+row's size: for "int8" with float32 masters, `n + 4 * ceil(n / block)` rounded up to 8.
+
+[Note: quantization error bound]
+Per element, |x - decode(encode(x))| <= `bound(x)`:
+- "int8": half a step, step = max(amax / 127, tiny) per block (tiny = the smallest normal
+  of the scale dtype: a block whose amax is below 127 * tiny is flushed to steps of tiny);
+- fp8: half an fp8 ulp at the value, scaled: |x| * 2**-(m+1) for normal values, plus
+  scale * 2**(e_min - m - 1) where the fp8 value is subnormal (m mantissa bits, e_min the
+  smallest normal exponent: e4m3fn m=3, e_min=-6; e5m2 m=2, e_min=-14);
+- casts: |x| * 2**-(m+1) with m the dtype's mantissa bits (bf16 7, fp16 10), plus half the
+  smallest subnormal; values beyond the dtype's range are refused.
+Decoded into a bfloat16 / float16 tensor, the result's own rounding adds |x| * 2**-(m+1).
+Values that a format represents exactly (int8: q * amax / 127 with an exact scale; fp8 /
+casts: values of the target dtype when the scale is 1 or a power of two) round trip
+exactly. NaN and inf are refused (`check=True`): a scale from a non-finite amax would
+spread NaN over its whole block.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._errors import SpecError
+
+__all__ = ["Wire", "WIRE_SPECS", "encode", "decode", "nbytes", "bound"]
+
+_FP8 = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits, e_min
+_CASTS = {torch.bfloat16: 7, torch.float16: 10}
+WIRE_SPECS = ("torch.bfloat16", "torch.float16", "torch.float8_e4m3fn", "torch.float8_e5m2", '"int8"')
+_ALIGN = 8
+
+
+class Wire(NamedTuple):
+    """A resolved wire format ([Note: wire formats])."""
+
+    kind: str  # "cast" | "fp8" | "int8"
+    dtype: torch.dtype  # the payload's element dtype
+    block: int  # elements per scale ("cast": unused)
+
+    @staticmethod
+    def of(spec, block: int = 4096, *, where: str = "wire format") -> "Wire | None":
+        """`spec` (None, a dtype or "int8") -> a Wire (None: no compression). Raises a
+        SpecError naming `where` for anything else."""
+        if spec is None:
+            return None
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise SpecError(f"{where}: block_size must be a positive int, got {block!r:.40}")
+        if isinstance(spec, str) and spec == "int8":
+            return Wire("int8", torch.int8, block)
+        if spec in _FP8:
+            return Wire("fp8", spec, block)
+        if spec in _CASTS:
+            return Wire("cast", spec, block)
+        raise SpecError(f"{where}: got {spec!r:.60}; a wire format is None (no compression) or one of "
+                        f"{', '.join(WIRE_SPECS)}.\nFix: e.g. sf.MixedPrecision(all_gather_dtype='int8').")
+
+    @property
+    def scaled(self) -> bool:
+        return self.kind != "cast"
+
+    def describe(self) -> str:
+        return "int8" if self.kind == "int8" else str(self.dtype).replace("torch.", "")
+
+
+def _scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _blocks(n: int, wire: Wire) -> int:
+    return -(-n // wire.block) if wire.scaled else 0
+
+
+def _layout(n: int, wire: Wire, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(scale bytes, payload bytes, row bytes) of an `n`-element row."""
+    scale_bytes = _blocks(n, wire) * _scale_dtype(dtype).itemsize
+    payload = n * wire.dtype.itemsize
+    return scale_bytes, payload, -(-(scale_bytes + payload) // _ALIGN) * _ALIGN
+
+
+def nbytes(n: int, wire: Wire, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of one encoded row of `n` elements of `dtype` (scales, payload, padding)."""
+    return _layout(n, wire, dtype)[2]
+
+
+def _qmax(wire: Wire) -> float:
+    return 127.0 if wire.kind == "int8" else torch.finfo(wire.dtype).max
+
+
+def _by_block(x: torch.Tensor, wire: Wire) -> torch.Tensor:
+    """(*lead, n) -> (*lead, blocks, block), zero-padded."""
+    n = x.shape[-1]
+    pad = _blocks(n, wire) * wire.block - n
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], -1, wire.block)
+
+
+def _check_finite(x: torch.Tensor, wire: Wire, what: str) -> None:
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise SpecError(f"{what}: {bad} of {x.numel()} values are NaN or infinite; the {wire.describe()} "
+                        f"wire format cannot carry them (a block's scale would make its whole block NaN).\n"
+                        f"Fix: find where they come from (sf.shard(check_finite=True) names the step), or "
+                        f"communicate without compression.")
+
+
+def _scales(x: torch.Tensor, wire: Wire) -> torch.Tensor:
+    """Per-block scales (*lead, blocks) in the scale dtype, at least the dtype's tiny."""
+    sdt = _scale_dtype(x.dtype)
+    amax = _by_block(x.to(sdt), wire).abs().amax(-1)
+    return (amax / _qmax(wire)).clamp_min(torch.finfo(sdt).tiny)
+
+
+def encode(x: torch.Tensor, wire: Wire, *, check: bool = True, what: str = "encode") -> torch.Tensor:
+    """(*lead, n) floats -> (*lead, nbytes(n)) uint8 rows ([Note: wire formats]).
+
+    `check`: refuse NaN / inf (and, for casts, values beyond the dtype's range) with a
+    SpecError naming `what`; this reads a value on the host (skip it where that sync costs)."""
+    if not x.is_floating_point():
+        raise SpecError(f"{what}: a wire format encodes floating tensors, got {x.dtype}")
+    if check:
+        _check_finite(x, wire, what)
+    lead, n = tuple(x.shape[:-1]), x.shape[-1]
+    scale_bytes, payload_bytes, row = _layout(n, wire, x.dtype)
+    out = torch.empty(lead + (row,), dtype=torch.uint8, device=x.device)
+    if wire.kind == "cast":
+        if check and wire.dtype.itemsize < x.element_size() and x.numel():
+            top = float(x.abs().max())
+            if top > torch.finfo(wire.dtype).max:
+                raise SpecError(f"{what}: |x| reaches {top:.3g}, beyond {wire.describe()}'s range "
+                                f"({torch.finfo(wire.dtype).max:.3g}).\nFix: use a scaled format "
+                                f"('int8' or float8 with per-block scales) or no compression.")
+        q = x.to(wire.dtype)
+    else:
+        scales = _scales(x, wire)
+        blocks = _by_block(x.to(scales.dtype), wire) / scales.unsqueeze(-1)
+        qmax = _qmax(wire)
+        if wire.kind == "int8":
+            q = blocks.round_().clamp_(-qmax, qmax).to(torch.int8)
+        else:
+            q = blocks.clamp_(-qmax, qmax).to(wire.dtype)
+        q = q.reshape(lead + (-1,))[..., :n]
+        out[..., :scale_bytes].copy_(scales.view(torch.uint8).reshape(lead + (scale_bytes,)))
+    out[..., scale_bytes:scale_bytes + payload_bytes].copy_(q.reshape(lead + (n,)).view(torch.uint8))
+    out[..., scale_bytes + payload_bytes:].zero_()
+    return out
+
+
+def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """(*lead, nbytes(n)) uint8 rows -> (*lead, n) in `dtype` (into `out` if given).
+
+    `dtype` is the dtype the rows were encoded from (it fixes the scale dtype) or any float
+    dtype for casts."""
+    lead = tuple(rows.shape[:-1])
+    scale_bytes, payload_bytes, row = _layout(n, wire, dtype)
+    if rows.shape[-1] != row:
+        raise SpecError(f"decode: rows of {rows.shape[-1]} bytes, expected {row} for {n} elements of "
+                        f"{wire.describe()} (block {wire.block})")
+    rows = rows.contiguous()
+    q = rows[..., scale_bytes:scale_bytes + payload_bytes].view(wire.dtype)
+    if wire.kind == "cast":
+        value = q
+    else:
+        scales = rows[..., :scale_bytes].view(_scale_dtype(dtype))
+        blocks = _by_block(q.to(scales.dtype), wire) * scales.unsqueeze(-1)
+        value = blocks.reshape(lead + (-1,))[..., :n]
+    if out is None:
+        return value.to(dtype)
+    out.copy_(value.reshape(out.shape))
+    return out
+
+
+def bound(x: torch.Tensor, wire: Wire) -> torch.Tensor:
+    """Per element, the largest |x - decode(encode(x))| allowed ([Note: quantization error bound])."""
+    sdt = _scale_dtype(x.dtype)
+    a = x.to(sdt).abs()
+    # decoded into x's dtype: a half-precision x adds its own rounding of the result
+    own = a * 2.0 ** -(_CASTS[x.dtype] + 1) if x.dtype in _CASTS else 0.0
+    if wire.kind == "cast":
+        m = _CASTS[wire.dtype]
+        sub = torch.finfo(wire.dtype).smallest_normal * 2.0 ** -m
+        return a * 2.0 ** -(m + 1) + sub / 2
+    n = x.shape[-1]
+    step = _scales(x, wire).repeat_interleave(wire.block, dim=-1)[..., :n]
+    if wire.kind == "int8":
+        return step / 2 + own
+    m, e_min = _FP8[wire.dtype]
+    return a * 2.0 ** -(m + 1) + step * 2.0 ** (e_min - m - 1) * (1 + 2.0 ** -20) + own
