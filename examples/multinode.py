@@ -83,7 +83,8 @@ def lost_peer(error: BaseException) -> bool:
 
 
 def train(mesh, cfg: Config, args, data):
-    """Run on every rank; returns (losses, full params, the step a checkpoint resumed)."""
+    """Run on every rank; returns (losses, full params, the step a checkpoint resumed,
+    this rank's last-step traffic: `step.stats()`)."""
     apply_fn, params = sf.functional(GPT(gpt_config(cfg)))
     params = init_params(params, args.seed)  # the same on every rank: one seeded generator
     step = sf.shard(next_token_loss(apply_fn), mesh, data_axes=("node", "gpu"), shard_axes="gpu",
@@ -115,7 +116,8 @@ def train(mesh, cfg: Config, args, data):
             pending = save_checkpoint(args.checkpoint_dir, mesh, step, shards, opt_state, it + 1, losses)
     if pending is not None:
         pending.wait()
-    return losses, step.unshard_params(shards), start
+    stats = step.stats()  # before unshard_params, whose gathers are not a training step's
+    return losses, step.unshard_params(shards), start, stats
 
 
 def main(argv=None):
@@ -146,7 +148,7 @@ def main(argv=None):
     torch.set_num_threads(1)  # the ranks are the parallelism; keep CPU runs reproducible
     mesh = sf.init_mesh(mesh_shape(args.mesh), timeout=args.timeout)
     try:
-        losses, full, start = train(mesh, cfg, args, load_text(cfg.text_chars))
+        losses, full, start, stats = train(mesh, cfg, args, load_text(cfg.text_chars))
     except Exception as e:
         if not lost_peer(e):
             raise
@@ -161,7 +163,7 @@ def main(argv=None):
         print(f"{mesh}: {len(losses)} steps (resumed at {start}), loss {losses[0]:.6f} -> {losses[-1]:.6f}", flush=True)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"losses": losses, "mesh": mesh.shape, "resumed_at": start, "seed": args.seed,
+                json.dump({"losses": losses, "mesh": mesh.shape, "resumed_at": start, "seed": args.seed, "stats": stats,
                            "mixed_precision": None if mp is None else {k: str(v) for k, v in mp._asdict().items()}}, f)
         if args.params_out:
             torch.save(full, args.params_out)

@@ -175,6 +175,29 @@ def test_two_launchers_equal_one_launcher(tmp_path):
     assert two == one  # bit-identical: same ranks, same groups, same reduction order
 
 
+@pytest.mark.slow  # ~40-70 s: two launchers, then one, then the fp32 reference
+@pytest.mark.xfail(strict=True, reason=(
+    "main has MixedPrecision.all_gather_dtype / reduce_scatter_dtype (resolved into Groups.gather_wire / "
+    "reduce_wire) but shard's gathers and reductions do not use them yet: int8 gives fp32's losses. "
+    "Remove this mark when the compressed collectives land (strict: it fails as XPASS then)."))
+def test_compressed_two_launchers_equal_one_launcher(tmp_path):
+    """int8 all-gathers and int8 reduce-scatters (sf.MixedPrecision, passed through by the
+    example): the quantized computation is the same on both launches, so the losses are too,
+    bit for bit; and they differ from fp32's (the compression is in effect) by little."""
+    args = [*TINY, "--steps", "8"]
+    int8 = ["--all-gather-dtype", "int8", "--reduce-scatter-dtype", "int8", "--block-size", "256"]
+    run_two_nodes(tmp_path, "two", [*args, *int8, "--out", str(tmp_path / "two.json")])
+    run_one_launcher(tmp_path, "one", [*args, *int8, "--out", str(tmp_path / "one.json")])
+    run_one_launcher(tmp_path, "fp32", [*args, "--out", str(tmp_path / "fp32.json")])
+    two, one, fp32 = (losses(tmp_path / f"{n}.json") for n in ("two", "one", "fp32"))
+    with open(tmp_path / "two.json") as f:
+        mp = json.load(f)["mixed_precision"]
+    assert (mp["all_gather_dtype"], mp["reduce_scatter_dtype"], mp["block_size"]) == ("int8", "int8", "256")
+    assert two == one
+    assert two != fp32, "int8 gathers and reductions gave fp32's losses bit for bit: not compressed?"
+    assert abs(two[-1] - fp32[-1]) < 0.02 * fp32[-1], (two[-1], fp32[-1])
+
+
 @pytest.mark.slow  # ~70 s each: a reference run, a killed run and its restart
 @pytest.mark.parametrize("dead", ["worker-node", "rendezvous-host"])
 def test_killed_node_fails_fast_and_restart_matches_uninterrupted_run(tmp_path, dead):
