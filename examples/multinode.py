@@ -120,7 +120,7 @@ def train(mesh, cfg: Config, args, data):
     return losses, step.unshard_params(shards), start, stats
 
 
-def main(argv=None):
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mesh", default=None, help="NODESxGPUS (default: torchrun's nnodes x nproc-per-node)")
     parser.add_argument("--steps", type=int, default=None)
@@ -138,6 +138,11 @@ def main(argv=None):
     parser.add_argument("--block-size", type=int, default=None, help="sf.MixedPrecision(block_size=...)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a collective waits for its peers")
     parser.add_argument("--quiet", action="store_true")
+    return parser
+
+
+def main(argv=None):
+    parser = make_parser()
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         parser.error("run me under torchrun (see the docstring); examples/train_gpt.py simulates a mesh")

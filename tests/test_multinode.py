@@ -10,6 +10,7 @@ localhost play two nodes (examples/multinode.py, HSDP over {'node': 2, 'gpu': 2}
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -162,6 +163,49 @@ def assert_same_params(a, b):
 
 
 TINY = ["--tiny", "--quiet"]
+
+
+# -- the example's helpers, in this process (fast) --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("multinode_example", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mesh_from_torchrun_layout_or_flag(example, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert example.mesh_shape(None) == {"node": 2, "gpu": 4}  # --nnodes 2 --nproc-per-node 4
+    assert example.mesh_shape("1x8") == {"node": 1, "gpu": 8}
+    with pytest.raises(SystemExit, match=r"--mesh 2x2 has 4 ranks but the job has 8 \(WORLD_SIZE\).\n"
+                                         r"Fix: --mesh NODESxGPUS with NODES \* GPUS = 8"):
+        example.mesh_shape("2x2")
+
+
+def test_compression_flags_pass_through_only_when_given(example):
+    mp = lambda *argv: example.mixed_precision(example.make_parser().parse_args(argv))  # noqa: E731
+    assert mp() is None  # plain fp32: no MixedPrecision at all
+    assert mp("--bf16") == sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert mp("--all-gather-dtype", "int8", "--reduce-scatter-dtype", "float8_e5m2", "--block-size", "256") == \
+        sf.MixedPrecision(all_gather_dtype="int8", reduce_scatter_dtype=torch.float8_e5m2, block_size=256)
+    assert mp("--all-gather-dtype", "bf16") == sf.MixedPrecision(all_gather_dtype=torch.bfloat16)
+    with pytest.raises(SystemExit):  # argparse's "invalid choice", listing the choices
+        mp("--all-gather-dtype", "int4")
+
+
+def test_only_a_lost_peer_gets_the_restart_message(example):
+    closed = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:27009")
+    assert example.lost_peer(closed)
+    assert example.lost_peer(sf.CollectiveTimeoutError("all_gather ... waited more than 10 s on rank 0"))
+    assert not example.lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x32 and 64x32)"))
+    assert not example.lost_peer(ValueError("Connection closed by peer"))  # only collectives' RuntimeErrors
+
+
+# -- launchers ---------------------------------------------------------------------------
 
 
 @pytest.mark.slow  # ~25 s: two launchers (4 workers), then one
