@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 import optree
@@ -80,6 +81,15 @@ def lost_peer(error: BaseException) -> bool:
     if isinstance(error, (sf.CollectiveTimeoutError, sf.RankAbortedError)):
         return True
     return isinstance(error, RuntimeError) and any(s in str(error) for s in PEER_LOST)
+
+
+def stop(rank: int, args, what: str, code: int):
+    """Say why this rank stops and how to go on, then exit at once (no atexit: tearing down
+    gloo groups whose peers are gone can block)."""
+    latest = sf.checkpoint.latest(args.checkpoint_dir) if args.checkpoint_dir else None
+    print(f"multinode.py: rank {rank} {what}.\nFix: rerun the same command on every node; training resumes from "
+          f"{latest or 'step 0 (no checkpoint yet: pass --checkpoint-dir)'}.", file=sys.stderr, flush=True)
+    os._exit(code)
 
 
 def train(mesh, cfg: Config, args, data):
@@ -152,17 +162,17 @@ def main(argv=None):
 
     torch.set_num_threads(1)  # the ranks are the parallelism; keep CPU runs reproducible
     mesh = sf.init_mesh(mesh_shape(args.mesh), timeout=args.timeout)
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop(mesh.rank, args, (
+        "was stopped by SIGTERM: its launcher stops every rank when one fails or when it loses the "
+        "rendezvous (a node died), and schedulers stop jobs this way"), 128 + signum))
     try:
         losses, full, start, stats = train(mesh, cfg, args, load_text(cfg.text_chars))
     except Exception as e:
         if not lost_peer(e):
             raise
-        latest = sf.checkpoint.latest(args.checkpoint_dir) if args.checkpoint_dir else None
-        print(f"multinode.py: rank {mesh.rank} lost a peer mid-step ({type(e).__name__}: {str(e).splitlines()[0]}).\n"
-              f"A node (or one of its processes) died or stopped responding; this job cannot go on without it.\n"
-              f"Fix: rerun the same command on every node; training resumes from "
-              f"{latest or 'step 0 (no checkpoint yet: pass --checkpoint-dir)'}.", file=sys.stderr, flush=True)
-        os._exit(1)  # no atexit: tearing down gloo groups whose peers are gone can block
+        stop(mesh.rank, args, f"lost a peer mid-step ({type(e).__name__}: {str(e).splitlines()[0]}).\n"
+                              f"A node (or one of its processes) died or stopped responding; this job cannot go on "
+                              f"without it", 1)
     if mesh.rank == 0:
         mp = mixed_precision(args)
         print(f"{mesh}: {len(losses)} steps (resumed at {start}), loss {losses[0]:.6f} -> {losses[-1]:.6f}", flush=True)

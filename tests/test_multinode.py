@@ -270,7 +270,10 @@ def test_killed_node_fails_fast_and_restart_matches_uninterrupted_run(tmp_path, 
         b.ensure_dead()
     log = survivor.text()
     assert rc != 0, log[-3000:]
-    assert "lost a peer mid-step" in log and "rerun the same command on every node" in log, log[-4000:]
+    # The workers see the closed connections ("lost a peer"), unless their launcher, which
+    # lost the rendezvous store with the host node, SIGTERMs them first ("stopped by SIGTERM").
+    said = "lost a peer mid-step" in log or (dead == "rendezvous-host" and "was stopped by SIGTERM" in log)
+    assert said and "Fix: rerun the same command on every node; training resumes from " in log, log[-4000:]
     assert failed_after < 60, failed_after
     print(f"{dead} killed: the survivor failed {failed_after:.1f} s later")
     assert not (tmp_path / "killed.json").exists()  # it was killed mid-run, before the end
@@ -308,3 +311,23 @@ def test_frozen_node_fails_the_others_within_the_timeout(tmp_path):
     assert "rerun the same command on every node" in log
     print(f"node b frozen: node a failed {failed_after:.1f} s later (--timeout {timeout})")
     assert failed_after < timeout * 4, failed_after
+
+
+@pytest.mark.slow  # ~15 s
+def test_sigterm_from_the_scheduler_says_how_to_resume(tmp_path):
+    """SIGTERM to a launcher (how SLURM ends a job, and how a launcher that lost its
+    rendezvous stops its ranks): every rank says it was stopped and where training resumes."""
+    ckpt = tmp_path / "ckpt"
+    n = Launcher(tmp_path, "term", ["--standalone", "--nproc-per-node", "2"],
+                 [*TINY, "--mesh", "1x2", "--steps", "500", "--ckpt-every", "2", "--checkpoint-dir", str(ckpt)])
+    try:
+        wait_until(lambda: sf.checkpoint.latest(str(ckpt)) is not None, RUN_TIMEOUT_S, "the first checkpoint", [n])
+        n.proc.send_signal(signal.SIGTERM)  # torchrun passes it on to its workers
+        rc = n.wait(60)
+    finally:
+        n.ensure_dead()
+    log = n.text()
+    assert rc != 0
+    for rank in (0, 1):
+        assert f"multinode.py: rank {rank} was stopped by SIGTERM" in log, log[-4000:]
+    assert f"training resumes from {ckpt}{os.sep}step_" in log
