@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 
@@ -53,9 +54,10 @@ def mesh_shape(arg: str | None) -> dict:
     if arg is None:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         nodes, gpus = world // per_node, per_node
+    elif re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", arg):
+        nodes, gpus = map(int, arg.split("x"))
     else:
-        nodes, _, gpus = arg.partition("x")
-        nodes, gpus = int(nodes), int(gpus)
+        raise SystemExit(f"multinode.py: --mesh {arg!r} is not NODESxGPUS.\nFix: e.g. --mesh 2x{world // 2 or 1}.")
     if nodes * gpus != world:
         raise SystemExit(f"multinode.py: --mesh {nodes}x{gpus} has {nodes * gpus} ranks but the job has {world} "
                          f"(WORLD_SIZE).\nFix: --mesh NODESxGPUS with NODES * GPUS = {world}.")
@@ -115,7 +117,8 @@ def train(mesh, cfg: Config, args, data):
 
     pending = None  # the asynchronous save in flight
     for it in range(start, cfg.steps):
-        batch = get_batch(data, cfg, args.seed, it, mesh.rank)  # the data rank is the global rank
+        x, y = get_batch(data, cfg, args.seed, it, mesh.rank)  # the data rank is the global rank
+        batch = (x.to(mesh.device), y.to(mesh.device))  # (B, T) each: cuda:LOCAL_RANK under NCCL
         shards, opt_state, loss = train_step(shards, opt_state, batch)
         losses.append(loss.item())
         if mesh.rank == 0 and not args.quiet:

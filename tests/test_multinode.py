@@ -184,6 +184,8 @@ def test_mesh_from_torchrun_layout_or_flag(example, monkeypatch):
     with pytest.raises(SystemExit, match=r"--mesh 2x2 has 4 ranks but the job has 8 \(WORLD_SIZE\).\n"
                                          r"Fix: --mesh NODESxGPUS with NODES \* GPUS = 8"):
         example.mesh_shape("2x2")
+    with pytest.raises(SystemExit, match=r"--mesh '2' is not NODESxGPUS.\nFix: e.g. --mesh 2x4"):
+        example.mesh_shape("2")
 
 
 def test_compression_flags_pass_through_only_when_given(example):
