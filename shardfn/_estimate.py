@@ -59,6 +59,9 @@ class Estimate:
     reduce_scatter_bytes: int
     all_reduce_bytes: int
     num_collectives: int
+    # the most bytes of encoded all-gather send buffers alive at once (MixedPrecision(all_gather_dtype=...);
+    # [Note: quantized all-gather] in _fsdp/gather.py), part of peak_gathered_bytes
+    encoded_send_bytes: int = 0
 
     @property
     def total(self) -> int:
@@ -78,7 +81,8 @@ class Estimate:
             ("all-gather per step", self.all_gather_bytes),
             ("reduce-scatter per step", self.reduce_scatter_bytes),
             ("all-reduce per step", self.all_reduce_bytes),
-        ]
+        ] + ([("encoded all-gather send buffers (in peak gathered)", self.encoded_send_bytes)]
+             if self.encoded_send_bytes else [])
 
     def __str__(self) -> str:
         rows = self.rows()
@@ -200,7 +204,9 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
     Returns:
       An `Estimate`: `param_bytes`, `grad_bytes`, `opt_state_bytes`, `peak_gathered_bytes`,
       `peak_activation_bytes`, `peak_step_bytes`, `scratch_bytes`, `all_gather_bytes`,
-      `reduce_scatter_bytes`, `all_reduce_bytes`, `num_collectives` and `total`, each the
+      `reduce_scatter_bytes`, `all_reduce_bytes`, `num_collectives`, `encoded_send_bytes`
+      (with `MixedPrecision(all_gather_dtype=...)`: the encoded send buffers alive at once,
+      counted in `peak_gathered_bytes`; the all-gather bytes are the encoded ones) and `total`, each the
       largest over the ranks (they differ only where a dim does not divide evenly);
       `print(est)` shows a table.
 
@@ -265,7 +271,7 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
             peak_gathered_bytes=stats["peak_gathered_bytes"], peak_activation_bytes=tracker.peak_rest,
             peak_step_bytes=tracker.peak_step, scratch_bytes=scratch[0], all_gather_bytes=stats["all_gather_bytes"],
             reduce_scatter_bytes=stats["reduce_scatter_bytes"], all_reduce_bytes=stats["all_reduce_bytes"],
-            num_collectives=stats["num_collectives"],
+            num_collectives=stats["num_collectives"], encoded_send_bytes=state.encoded.peak,
         )
 
     per_rank = mesh.run(body)

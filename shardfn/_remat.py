@@ -218,6 +218,7 @@ class _Call:
         self.names: list = []
         self.calls: list = []  # the forward's torch calls and their outputs' signatures
         self.kept: dict[int, Any] = {}
+        self.kept_versions: dict[int, list[int]] = {}  # kept op index -> its tensors' versions after the forward
         self.devices: dict[int, torch.device] = {}  # kept op index -> device before offload
         self.rng: dict = {}
         self.snapshots: dict = {}  # state the forward wrote: storage -> (tensor, value before) [Note: state in remat]
@@ -323,6 +324,7 @@ class _Remat(torch.autograd.Function):
         if call.offload_to is not None:
             with torch._C._DisableFuncTorch(), torch.no_grad():
                 call.kept = {i: _tree.tree_map(lambda t: _offload(t, call, i), out) for i, out in call.kept.items()}
+        call.kept_versions = {i: _versions(out) for i, out in call.kept.items()}  # [Note: kept values written later]
         flat = call.flat_outputs(out)
         call.prints = fingerprint(flat)
         return flat
@@ -339,7 +341,7 @@ class _Remat(torch.autograd.Function):
         inputs = ctx.saved_tensors
         needed = ctx.needs_input_grad[1:]  # differentiate only what the caller asks for
         wrt = [i for i, t in enumerate(inputs) if needed[i] and (t.is_floating_point() or t.is_complex())]
-        kept = call.kept
+        kept = {i: out for i, out in call.kept.items() if _versions(out) == call.kept_versions[i]}
         if call.offload_to is not None:  # back where they were made (plain: replay hands out plain tensors)
             with torch._C._DisableFuncTorch(), torch.no_grad():
                 kept = {i: _tree.tree_map(lambda t: _move(t, call.devices.get(i)), out) for i, out in kept.items()}
@@ -366,6 +368,21 @@ class _Remat(torch.autograd.Function):
             outs, out = torch.func.jvp(rerun, tuple(primals), tuple(tans))
         check_outputs(call.name, call.prints, outs)
         return out
+
+
+# [Note: kept values written later]
+# A value the policy keeps may be one of `fn`'s outputs (a block that ends in a matmul,
+# under dots_saveable), and the caller may write that output in place after the call, as
+# plain PyTorch allows when nothing saved it. The kept tensor is the same tensor, so it
+# changes too; handed back to the recompute, it would make the recompute another
+# computation (a SpecError from the output check on the CPU, wrong gradients where that
+# check cannot read the values). The versions of the kept tensors are taken when the
+# forward ends (after any offload) and compared in the backward: a kept value written
+# since is recomputed instead of handed back.
+
+
+def _versions(out) -> list[int]:
+    return [t._version for t in _tree.flatten(out)[0] if isinstance(t, torch.Tensor)]
 
 
 def _name(fn) -> str:

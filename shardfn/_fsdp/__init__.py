@@ -6,6 +6,7 @@ The modules, in the order data flows through them:
   tp.py        FSDP x TP: `param_specs` resolved and checked per leaf ([Note: FSDP x TP])
   plan.py      the layout: units, per-leaf chunks, flat buffers; a frozen `Plan` per tree
   groups.py    per rank: the process groups and dtypes of a step, fixed
+  gather.py    a unit's all-gather: pack (or encode), all-gather, copy out (or decode)
   reduce.py    gradient reduction as plain functions (reduce-scatter, HSDP / TP all-reduces)
   batch.py     the loss mean over the data axes and uneven local batches (`batch_weighting`)
   autograd.py  the autograd Functions (gather a unit, reduce its gradients, the loss mean)

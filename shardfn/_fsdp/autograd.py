@@ -10,12 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._backend import ops
 from .._compile import not_traced
 from .._collectives import _Psum
 from .._errors import ShardingError
+from . import gather
 from .batch import reduce_loss, settle
-from .plan import copy_out, leaf_views, pack_shards
 
 if TYPE_CHECKING:
     from .runtime import RankState
@@ -31,7 +30,8 @@ _NESTED_STACKING = "shard: vmap over stacked shards nests once (one ensemble dim
 # back as (B, *leaf shape) full leaves (GatherStacked). No freeing and no prefetch: the
 # gathered members stay alive until the backward (memory: B units per unit touched).
 # Backward: one reduce-scatter of the (k, B, S) gradients (ReduceScatterUnit with
-# `stacked`), the same path as per-example gradients.
+# `stacked`), the same path as per-example gradients. With a compressed all-gather each
+# member's shard buffer is encoded as its own row: (B, nbytes(S)) per rank.
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
@@ -128,19 +128,18 @@ class GatherStacked(torch.autograd.Function):
 
     @staticmethod
     def forward(rs: RankState, u: int, *inputs):
-        unit = rs.units[u]
+        unit, g = rs.units[u], rs.groups
         plan = unit.plan
         n = len(plan.sharded)
         out = []
         if plan.sharded:
             size = inputs[0].shape[0]
-            send = pack_shards(plan, inputs[:n], unit.dtype, rs.groups.device, lead=(size,))  # (B, S)
+            send = gather.send_buffer(plan, inputs[:n], unit.dtype, g.device, wire=g.gather_wire, lead=(size,),
+                                      check=unit.check)  # (B, S), or (B, nbytes(S)) encoded
             rs.stats.collective("all_gather", plan.k * send.numel() * send.element_size())
-            gathered = ops.all_gather_async(rs.groups.shard, send).wait()  # (k, B, S)
-            for layout in plan.sharded:
-                block = gathered.narrow(2, layout.offset, layout.chunk_numel).movedim(0, 1)  # (B, k, c * row)
-                full = block.reshape((size, plan.k * layout.chunk) + layout.shape[1:]).narrow(1, 0, layout.rows)
-                out.append(full.contiguous())
+            rows = gather.start(g.shard, send).wait()  # (k, B, S)
+            del send
+            out.extend(gather.stacked_leaves(plan, rows, unit.dtype, g.gather_wire))
         out.extend(x.view_as(x) for x in inputs[n:])
         return tuple(out)
 
@@ -170,11 +169,7 @@ class GatherTangent(torch.autograd.Function):
         if plan.sharded:
             zero = [t if t is not None else torch.zeros(l.local_shape(g.shard_index, plan.k), dtype=unit.dtype, device=g.device)
                     for l, t in zip(plan.sharded, tangents[:n])]
-            send = pack_shards(plan, zero, unit.dtype, g.device)
-            gathered = ops.all_gather_async(g.shard, send).wait()
-            full = torch.empty(plan.full_numel, dtype=unit.dtype, device=g.device)
-            copy_out(plan, gathered, full)
-            out.extend(leaf_views(plan, full))
+            out.extend(gather.gather_full(plan, g.shard, zero, unit.dtype, g.device))  # exact: [Note: quantized all-gather]
         out.extend(t if t is not None else torch.zeros(l.shape, dtype=l.dtype, device=g.device)
                    for l, t in zip(plan.replicated, tangents[n:]))
         return tuple(out)

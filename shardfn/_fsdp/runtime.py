@@ -21,15 +21,15 @@ from .._backend import ops
 from .._compile import not_traced
 from .._errors import ShardingError
 from .._shard_map import replicated_mismatch
-from . import reduce
+from . import gather, reduce
 from .batch import UNKNOWN
 from .autograd import GatherUnit, LossMean, plain
 from .view import stacked
 from .view import current_scope
 from .groups import Groups
-from .plan import Plan, UnitPlan, copy_out, leaf_views, pack_grads, pack_shards
+from .plan import Plan, UnitPlan, leaf_views, pack_grads
 
-__all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState"]
+__all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState", "Meter"]
 
 # [Note: why storage is freed, not the tensor]
 # A unit's full parameters are views of one flat unsharded buffer. Ops that used them
@@ -139,23 +139,45 @@ class Schedule:
         return need, upcoming[len(need): len(need) + self.prefetch]
 
 
+class Meter:
+    """Bytes of one kind of buffer alive now, and the most at once since `reset`."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.live = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+
 class UnitRuntime:
     """One unit on one rank: its unsharded buffer, its state and this step's shards."""
 
-    def __init__(self, plan: UnitPlan, groups: Groups, stats: reduce.Stats):
+    def __init__(self, plan: UnitPlan, groups: Groups, stats: reduce.Stats, *, regather: bool = True,
+                 check: bool = False, encoded_meter: Meter | None = None):
         self.plan = plan
         self.groups = groups
         self.stats = stats
         self.dtype = groups.param_dtype or plan.dtype
+        self.wire = groups.gather_wire if plan.sharded else None  # [Note: quantized all-gather] in gather.py
+        self.row_bytes = gather.row_bytes(plan, self.dtype, self.wire) if plan.sharded else 0  # one rank's send
+        self.regather = regather  # the backward gathers it again from the shards (not from hpZ rows)
+        self.check = check  # encodes refuse NaN / inf (gather.should_check)
         self.full: torch.Tensor | None = None  # 1-D, k * S elements, leaf-major (see plan.py)
         self._full_data: torch.Tensor | None = None  # `.data` of full: writes skip the version counter
         self.state = UnitState.SHARDED
         self.pending: ops.Pending | None = None  # the all-gather in flight while GATHERING
         self.gathering_kept = False  # ... and whether it re-gathers the hpZ rows
-        self.send_bytes = 0  # a packed send buffer in flight (0: the shard itself is sent)
-        self.apart_bytes = 0  # a separate (k, S) all-gather output, alive until the copy-out
+        self.send_bytes = 0  # a packed send buffer in flight (0: the shard itself, or `encoded`, is sent)
+        self.apart_bytes = 0  # a separate (k, S) / (k, nbytes(S)) all-gather output, alive until the copy-out
         self.full_held = False  # the unsharded buffer has storage
-        self.kept: torch.Tensor | None = None  # (k / M, S) hpZ rows; from the forward to the unit's backward
+        self.kept: torch.Tensor | None = None  # (k / M, S) hpZ rows (encoded rows with a wire format)
+        self.encoded: torch.Tensor | None = None  # (nbytes(S),) uint8: this step's encoded shard buffer
+        self.hold_encoded = False  # keep `encoded` across calls (accumulate's micro-batches)
+        self.encoded_meter = encoded_meter or Meter()
         self.shards: list[torch.Tensor] = []  # this step's plain shard tensors (sharded leaves)
         self.outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
         self.backward_done = False
@@ -168,16 +190,27 @@ class UnitRuntime:
     def nbytes(self) -> int:
         return self.plan.full_numel * self.dtype.itemsize if self.plan.sharded else 0
 
+    @property
+    def gather_bytes(self) -> int:
+        """The all-gather's output: k rows of what each rank sends."""
+        return self.plan.k * self.row_bytes
+
     # -- gather / free ------------------------------------------------------------------
     # [Note: gathering into the unit's buffer]
     # A unit with one sharded leaf has the same rank-major and leaf-major layout, so its
     # all-gather writes straight into the unit's unsharded buffer: no copy-out, and the
     # send buffer is the shard itself (no pack) when no cast or padding is needed. A unit
     # of several leaves gathers into a (k, S) buffer, allocates its unsharded buffer only
-    # when the gather is waited, copies out and drops the (k, S) buffer at once. Every
-    # buffer is counted in `peak_gathered_bytes` while it lives: the packed send buffer
-    # (until the gather is waited), the all-gather output, the unsharded buffer and the
-    # hpZ rows, so the statistic matches what an allocator sees.
+    # when the gather is waited, copies out and drops the (k, S) buffer at once. With a
+    # wire format ([Note: quantized all-gather] in gather.py) every unit gathers encoded
+    # rows into a (k, nbytes(S)) uint8 buffer and decodes them row by row into its
+    # unsharded buffer; the encoded send buffer is made once per step and kept while a
+    # re-gather may need it (until the unit's backward releases it; only for the gather
+    # itself when the backward does not gather from the shards: the root, hpZ,
+    # reshard_after_forward=False). Every buffer is counted in `peak_gathered_bytes` while
+    # it lives: the packed or encoded send buffer, the all-gather output, the unsharded
+    # buffer and the hpZ rows, so the statistic matches what an allocator sees (decoding's
+    # one-row scratch excepted: sf.estimate's step peak sees it).
 
     def start_gather(self, into_buffer: bool = True) -> None:
         """Start the all-gather; `into_buffer=False`: never into the unit's buffer (which
@@ -193,19 +226,39 @@ class UnitRuntime:
             return
         g, plan = self.groups, self.plan
         self.gathering_kept = self.state is UnitState.SHARDED_POST_FORWARD
+        out = None
         if self.gathering_kept:  # [Note: hpZ] re-gather from the kept rows, over the sub-group
-            send, out = self.kept, None  # -> (M, k / M, S)
+            send = self.kept  # -> (M, k / M, S)
+        elif self.wire is not None:
+            send = self._encoded()  # -> (k, nbytes(S)) uint8
         else:
-            send = pack_shards(plan, self.shards, self.dtype, g.device)
-            direct = into_buffer and len(plan.sharded) == 1
-            out = self._alloc_full().view(plan.k, plan.shard_numel) if direct else None
-        fresh = not self.gathering_kept and not any(ops.same_memory(send, x) for x in self.shards)
+            send = gather.send_buffer(plan, self.shards, self.dtype, g.device)
+            if into_buffer and len(plan.sharded) == 1:
+                out = self._alloc_full().view(plan.k, plan.shard_numel)
+        fresh = not (self.gathering_kept or send is self.encoded or any(ops.same_memory(send, x) for x in self.shards))
         self.send_bytes = send.numel() * send.element_size() if fresh else 0  # a shard itself is no new buffer
-        self.apart_bytes = 0 if out is not None else self.nbytes  # a separate all-gather output
+        self.apart_bytes = 0 if out is not None else self.gather_bytes  # a separate all-gather output
         self.stats.hold(self.send_bytes + self.apart_bytes)
-        self.pending = ops.all_gather_async(g.hpz if self.gathering_kept else g.shard, send, out=out)
-        self.stats.collective("all_gather", self.nbytes)
+        self.pending = gather.start(g.hpz if self.gathering_kept else g.shard, send, out=out)
+        self.stats.collective("all_gather", self.gather_bytes)
         self.state = UnitState.GATHERING
+
+    def _encoded(self) -> torch.Tensor:
+        """This step's encoded shard buffer, encoded on first use ([Note: quantized all-gather])."""
+        if self.encoded is None:
+            self.encoded = gather.send_buffer(self.plan, self.shards, self.dtype, self.groups.device, wire=self.wire,
+                                              check=self.check)
+            self._count_encoded(self.row_bytes)
+        return self.encoded
+
+    def drop_encoded(self) -> None:
+        if self.encoded is not None:
+            self.encoded = None
+            self._count_encoded(-self.row_bytes)
+
+    def _count_encoded(self, nbytes: int) -> None:
+        self.stats.hold(nbytes)
+        self.encoded_meter.add(nbytes)
 
     def _alloc_full(self) -> torch.Tensor:
         """Give the unsharded buffer its storage (counted); returns its `.data`."""
@@ -229,8 +282,8 @@ class UnitRuntime:
             gathered = self._wait()  # (k, S) in logical rank order; (M, k / M, S) from the kept rows
             g, plan = self.groups, self.plan
             if self.gathering_kept:  # reordered into a copy: two (k, S) buffers for a moment, then the
-                self.stats.hold(self.nbytes)  # gathered one is freed and apart_bytes stands for the copy
-                self.stats.hold(-self.nbytes)
+                self.stats.hold(self.gather_bytes)  # gathered one is freed and apart_bytes stands for the copy
+                self.stats.hold(-self.gather_bytes)
                 gathered = gathered.reshape(plan.k, -1).index_select(0, g.hpz_order)
             elif g.hpz_keep is not None and in_forward and not plan.is_root:
                 self.kept = gathered.index_select(0, g.hpz_keep)  # (k / M, S), a copy
@@ -238,9 +291,11 @@ class UnitRuntime:
             if not self.full_held:
                 self._alloc_full()
             if gathered.data_ptr() != self._full_data.data_ptr():
-                copy_out(plan, gathered, self._full_data)
+                gather.copy_out(plan, gathered, self._full_data, self.wire)
             del gathered
             self._release_apart()
+            if not self.regather and not self.hold_encoded:  # no gather from the shards again this step
+                self.drop_encoded()
             self.state = UnitState.GATHERED
 
     def _wait(self) -> torch.Tensor:
@@ -262,6 +317,8 @@ class UnitRuntime:
         if not post_forward and self.kept is not None:
             self.stats.hold(-self.kept.numel() * self.kept.element_size())
             self.kept = None
+        if not post_forward and not self.hold_encoded:  # its backward is done (or the step over)
+            self.drop_encoded()
         if not self.plan.sharded:  # nothing gathered: its leaves are whole on every rank
             return
         if self.state is UnitState.GATHERING:
@@ -290,7 +347,11 @@ class RankState:
         self.groups = Groups.build(plan, mesh, config)
         self.schedule = Schedule(plan.units, config.prefetch)
         self.stats = reduce.Stats()
-        self.units = [UnitRuntime(u, self.groups, self.stats) for u in plan.units]
+        self.encoded = Meter()  # encoded send buffers alive ([Note: quantized all-gather] in gather.py)
+        regather = config.reshard_after_forward and self.groups.hpz is None
+        check = gather.should_check(self.groups.device, config.check_finite)
+        self.units = [UnitRuntime(u, self.groups, self.stats, regather=regather and not u.is_root, check=check,
+                                  encoded_meter=self.encoded) for u in plan.units]
         self.mode = StepMode.EAGER
         self.deferred: list = []  # (ops.Pending, (*lead, S) output, finish_reduce kwargs) per deferred unit
         # The loss must be the same on every tensor-parallel rank: checked on the first call.
@@ -305,11 +366,14 @@ class RankState:
 
     # -- step lifecycle -------------------------------------------------------------------
     def begin_step(self, leaves: list[torch.Tensor]) -> None:
+        hold = self.mode.keeps_stats  # accumulate: the shards, and so their encoding, stay the step's
         with torch.no_grad():
             for unit in self.units:
+                unit.hold_encoded = hold
                 unit.reshard()
-        if not self.mode.keeps_stats:
+        if not hold:
             self.stats.reset()
+            self.encoded.reset()
         self.schedule.begin_step()
         self.leaves = list(leaves)
         for unit in self.units:
@@ -319,6 +383,12 @@ class RankState:
             unit.pinned = False
             unit.shards = [plain(leaves[layout.index]) for layout in unit.plan.sharded]
         self.scope, self.scope_units, self.scope_of = None, set(), {}
+
+    def drop_encoded(self) -> None:
+        """Forget every unit's encoded send buffer (the shards changed: a new step)."""
+        for unit in self.units:
+            unit.hold_encoded = False
+            unit.drop_encoded()
 
     def end_forward(self) -> None:
         self.schedule.in_forward = False

@@ -224,7 +224,9 @@ class Shard:
         if not micro_batches:
             raise SpecError("shard.accumulate: micro_batches is empty")
         state = self._state(self._plan_for(shards))
+        state.drop_encoded()  # encoded once for all micro-batches ([Note: quantized all-gather] in gather.py)
         state.stats.reset()
+        state.encoded.reset()
         total_loss, total, auxes = None, None, []
         try:
             for i, batch in enumerate(micro_batches):
@@ -238,6 +240,7 @@ class Shard:
                 total = grads if total is None else _tree.tree_map(torch.add, total, grads)
         finally:
             state.mode = StepMode.EAGER
+            state.drop_encoded()
         m = len(micro_batches)
         mean_loss = total_loss / m
         grads = _tree.tree_map(lambda g: g / m, total)
@@ -382,7 +385,9 @@ def shard(
         inside a node).
       prefetch: how many units ahead to all-gather asynchronously (order learned from the
         previous call).
-      mixed_precision: `MixedPrecision(param_dtype, reduce_dtype, output_dtype)`.
+      mixed_precision: `MixedPrecision(param_dtype, reduce_dtype, output_dtype)`; its
+        `all_gather_dtype` ("int8", a float8 dtype or bf16) sends each unit's shards
+        quantized, encoded once per step (docs/howto/compressed-communication.md).
       has_aux: `loss_fn` returns `(loss, aux)`; the step returns the same pair.
       replicated: `key_path -> bool` marking leaves to keep whole on every rank (their
         gradient is all-reduced); 0-dim and non-float leaves always are.

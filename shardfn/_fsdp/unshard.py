@@ -5,7 +5,8 @@ axes, yields its leaves (with tensor parallelism, each leaf's blocks gathered ov
 tensor-parallel axes too), then frees it before the next unit: a consumer that writes
 each leaf out (`sf.hf.save_pretrained`) never holds more than one unit's full
 parameters. `unshard_params` keeps them all. It is collective: every rank of the mesh
-iterates it to the end, in the same order.
+iterates it to the end, in the same order. The gather is exact (an export): a compressed
+all-gather format (`MixedPrecision.all_gather_dtype`) is for training steps only.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import Iterator
 import torch
 
 from .. import _tree
-from .._backend import ops
 from .._blocks import gather_blocks
 from .autograd import plain
-from .plan import Plan, copy_out, leaf_views, pack_shards
+from .gather import gather_full
+from .plan import Plan
 
 __all__ = ["iter_unshard"]
 
@@ -41,15 +42,11 @@ def iter_unshard(step, shards) -> Iterator[tuple[int, torch.Tensor]]:
         for unit in plan.units:
             if not unit.sharded:
                 continue
-            send = pack_shards(unit, [plain(leaves[l.index]) for l in unit.sharded], unit.dtype, mesh.device)
-            gathered = ops.all_gather_async(group, send).wait()
-            full = torch.empty(unit.full_numel, dtype=unit.dtype, device=mesh.device)
-            copy_out(unit, gathered, full)
-            del gathered, send
-            for layout, view in zip(unit.sharded, leaf_views(unit, full)):
+            views = gather_full(unit, group, [plain(leaves[l.index]) for l in unit.sharded], unit.dtype, mesh.device)
+            for layout, view in zip(unit.sharded, views):
                 done.add(layout.index)
                 yield layout.index, whole(layout.index, view)
-            del full
+            del views, view
         for i, x in enumerate(leaves):
             if i not in done:
                 yield i, whole(i, plain(x))
