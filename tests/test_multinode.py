@@ -249,12 +249,16 @@ def test_compressed_two_launchers_equal_one_launcher(tmp_path):
 
 
 @pytest.mark.slow  # ~70 s each: a reference run, a killed run and its restart
-@pytest.mark.parametrize("dead", ["worker-node", "rendezvous-host"])
-def test_killed_node_fails_fast_and_restart_matches_uninterrupted_run(tmp_path, dead):
+@pytest.mark.parametrize("dead, wire", [("worker-node", "fp32"), ("rendezvous-host", "fp32"), ("worker-node", "int8")])
+def test_killed_node_fails_fast_and_restart_matches_uninterrupted_run(tmp_path, dead, wire):
     """`rendezvous-host`: the node that dies also served the c10d store the survivors' agent
-    talks to; the survivor must still stop, not wait on the store."""
+    talks to; the survivor must still stop, not wait on the store. `int8`: compressed
+    all-gathers and reduce-scatters resume bit-identically too (the encoding is a function
+    of the restored master shards)."""
     steps, every = 24, 3
     args = [*TINY, "--steps", str(steps), "--ckpt-every", str(every), "--timeout", "30"]
+    if wire == "int8":
+        args += ["--all-gather-dtype", "int8", "--reduce-scatter-dtype", "int8", "--block-size", "256"]
     run_one_launcher(tmp_path, "straight", [*args, "--out", str(tmp_path / "straight.json"),
                                             "--params-out", str(tmp_path / "straight.pt")])
 
