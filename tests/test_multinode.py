@@ -3,9 +3,15 @@ localhost play two nodes (examples/multinode.py, HSDP over {'node': 2, 'gpu': 2}
 
 - the two-launcher run's losses equal the single-launcher run's (`torchrun
   --nproc-per-node 4`, same mesh, seed and data) bit for bit;
+- the same with int8 all-gathers and reduce-scatters (sf.MixedPrecision's wire formats);
 - SIGKILL one "node" (its launcher and its workers) mid-run: the other launcher fails fast
   with a message that says a peer is gone, and rerunning both launchers resumes from the
-  last checkpoint and ends with the losses and parameters of an uninterrupted run.
+  last checkpoint and ends with the losses and parameters of an uninterrupted run;
+- a frozen node (SIGSTOP) is caught by the collective timeout; a SIGTERM (scheduler) gets
+  the same "rerun; training resumes from ..." message.
+
+Launchers run in their own sessions with their output in a log file; every test kills what
+it started in a `finally`, and waits by polling a condition against a deadline.
 """
 
 from __future__ import annotations
@@ -130,7 +136,7 @@ def start_two_nodes(tmp_path, tag: str, script_args: list, port: int) -> list[La
     return [a, b]
 
 
-def run_two_nodes(tmp_path, tag: str, script_args: list) -> dict:
+def run_two_nodes(tmp_path, tag: str, script_args: list) -> list[Launcher]:
     nodes = start_two_nodes(tmp_path, tag, script_args, free_port())
     try:
         for n in nodes:
