@@ -10,6 +10,8 @@ replicated over 'node' (one gradient all-reduce per step crosses the network).
         --rdzv-id gpt-run examples/multinode.py --checkpoint-dir /shared/gpt-run --out losses.json
     # the same run from one launcher: the same losses, bit for bit
     torchrun --standalone --nproc-per-node 4 examples/multinode.py --mesh 2x2 --out losses.json
+    # and without torchrun: the 2x2 mesh simulated by threads of one process, same losses
+    python examples/multinode.py --mesh 2x2 --out losses.json
 
 Every `--ckpt-every` steps all ranks save a sharded checkpoint (`sf.checkpoint`, atomic)
 under `--checkpoint-dir`, which must be a filesystem every node sees. A run resumes from
@@ -48,9 +50,12 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "connectFullMesh", "ECONNRESET", "EPIPE")
 
 
-def mesh_shape(arg: str | None) -> dict:
+def mesh_shape(arg: str | None, simulated: bool = False) -> dict:
     """`--mesh NODESxGPUS`, or torchrun's layout: nodes x processes per node."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if simulated and re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", arg):
+        nodes, gpus = map(int, arg.split("x"))
+        return {"node": nodes, "gpu": gpus}
     if arg is None:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         nodes, gpus = world // per_node, per_node
@@ -157,19 +162,22 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     parser = make_parser()
     args = parser.parse_args(argv)
-    if "RANK" not in os.environ:
-        parser.error("run me under torchrun (see the docstring); examples/train_gpt.py simulates a mesh")
     cfg = Config(**(TINY if args.tiny else {}))
     cfg.steps = args.steps if args.steps is not None else cfg.steps
     cfg.ckpt_every = args.ckpt_every or cfg.ckpt_every
+    data = load_text(cfg.text_chars)
 
     torch.set_num_threads(1)  # the ranks are the parallelism; keep CPU runs reproducible
+    if "RANK" not in os.environ:  # `python examples/multinode.py`: the ranks as threads of this process
+        mesh = sf.local_mesh(mesh_shape(args.mesh or "2x2", simulated=True), timeout=args.timeout)
+        report(mesh, args, *mesh.run(train, mesh, cfg, args, data)[0])
+        return
     mesh = sf.init_mesh(mesh_shape(args.mesh), timeout=args.timeout)
     signal.signal(signal.SIGTERM, lambda signum, frame: stop(mesh.rank, args, (
         "was stopped by SIGTERM: its launcher stops every rank when one fails or when it loses the "
         "rendezvous (a node died), and schedulers stop jobs this way"), 128 + signum))
     try:
-        losses, full, start, stats = train(mesh, cfg, args, load_text(cfg.text_chars))
+        result = train(mesh, cfg, args, data)
     except Exception as e:
         if not lost_peer(e):
             raise
@@ -177,15 +185,20 @@ def main(argv=None):
                               f"A node (or one of its processes) died or stopped responding; this job cannot go on "
                               f"without it", 1)
     if mesh.rank == 0:
-        mp = mixed_precision(args)
-        print(f"{mesh}: {len(losses)} steps (resumed at {start}), loss {losses[0]:.6f} -> {losses[-1]:.6f}", flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"losses": losses, "mesh": mesh.shape, "resumed_at": start, "seed": args.seed, "stats": stats,
-                           "mixed_precision": None if mp is None else {k: str(v) for k, v in mp._asdict().items()}}, f)
-        if args.params_out:
-            torch.save(full, args.params_out)
+        report(mesh, args, *result)
     torch.distributed.destroy_process_group()
+
+
+def report(mesh, args, losses, full, start, stats) -> None:
+    """Rank 0: a summary line, the losses (`--out`, JSON) and the final params (`--params-out`)."""
+    mp = mixed_precision(args)
+    print(f"{mesh}: {len(losses)} steps (resumed at {start}), loss {losses[0]:.6f} -> {losses[-1]:.6f}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"losses": losses, "mesh": mesh.shape, "resumed_at": start, "seed": args.seed, "stats": stats,
+                       "mixed_precision": None if mp is None else {k: str(v) for k, v in mp._asdict().items()}}, f)
+    if args.params_out:
+        torch.save(full, args.params_out)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,8 +30,6 @@ import pytest
 import torch
 
 import shardfn as sf
-
-pytestmark = pytest.mark.multiprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "multinode.py")
@@ -216,18 +215,45 @@ def test_only_a_lost_peer_gets_the_restart_message(example):
 # -- launchers ---------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # ~25 s: two launchers (4 workers), then one
+def simulate(tmp_path, *args) -> str:
+    """`python examples/multinode.py`: the mesh simulated by threads of one process."""
+    proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--mesh", "2x2", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_simulated_run_resumes_from_its_checkpoint(tmp_path):
+    """The resume logic without torchrun: a run cut short after step 6 (its later checkpoints
+    deleted) continues from step_000006 and gives the uninterrupted losses."""
+    ckpt = tmp_path / "ckpt"
+    simulate(tmp_path, "--steps", "8", "--ckpt-every", "3", "--checkpoint-dir", str(ckpt),
+             "--out", str(tmp_path / "straight.json"))
+    assert sorted(os.listdir(ckpt)) == ["step_000003", "step_000006", "step_000008"]
+    shutil.rmtree(ckpt / "step_000008")
+    out = simulate(tmp_path, "--steps", "8", "--ckpt-every", "3", "--checkpoint-dir", str(ckpt),
+                   "--out", str(tmp_path / "resumed.json"))
+    assert f"resumed from {ckpt / 'step_000006'} (step 6)" in out
+    with open(tmp_path / "resumed.json") as f:
+        assert json.load(f)["resumed_at"] == 6
+    assert losses(tmp_path / "resumed.json") == losses(tmp_path / "straight.json")
+
+
+@pytest.mark.slow  # ~30 s: two launchers (4 workers), then one, then the simulated mesh
+@pytest.mark.multiprocess
 @pytest.mark.ci
 def test_two_launchers_equal_one_launcher(tmp_path):
     args = [*TINY, "--steps", "8"]
     run_two_nodes(tmp_path, "two", [*args, "--out", str(tmp_path / "two.json")])
     run_one_launcher(tmp_path, "one", [*args, "--out", str(tmp_path / "one.json")])
-    two, one = losses(tmp_path / "two.json"), losses(tmp_path / "one.json")
+    simulate(tmp_path, "--steps", "8", "--out", str(tmp_path / "sim.json"))
+    two, one, sim = (losses(tmp_path / f"{n}.json") for n in ("two", "one", "sim"))
     assert len(two) == 8 and two[-1] < two[0]  # it trained
-    assert two == one  # bit-identical: same ranks, same groups, same reduction order
+    assert two == one == sim  # bit-identical: same ranks, same groups, same reduction order
 
 
 @pytest.mark.slow  # ~40-70 s: two launchers, then one, then the fp32 reference
+@pytest.mark.multiprocess
 def test_compressed_two_launchers_equal_one_launcher(tmp_path):
     """int8 all-gathers and int8 reduce-scatters (sf.MixedPrecision, passed through by the
     example): the quantized computation is the same on both launches, so the losses are too,
@@ -255,6 +281,7 @@ def test_compressed_two_launchers_equal_one_launcher(tmp_path):
 
 
 @pytest.mark.slow  # ~70 s each: a reference run, a killed run and its restart
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("dead, wire", [("worker-node", "fp32"), ("rendezvous-host", "fp32"), ("worker-node", "int8")])
 def test_killed_node_fails_fast_and_restart_matches_uninterrupted_run(tmp_path, dead, wire):
     """`rendezvous-host`: the node that dies also served the c10d store the survivors' agent
@@ -304,6 +331,7 @@ def test_killed_node_fails_fast_and_restart_matches_uninterrupted_run(tmp_path, 
 
 
 @pytest.mark.slow  # ~40 s
+@pytest.mark.multiprocess
 def test_frozen_node_fails_the_others_within_the_timeout(tmp_path):
     """A node that stops responding but keeps its connections open (SIGSTOP: a hung driver, a
     swapping host) is only noticed by the collective timeout: the survivors must stop within
@@ -330,6 +358,7 @@ def test_frozen_node_fails_the_others_within_the_timeout(tmp_path):
 
 
 @pytest.mark.slow  # ~15 s
+@pytest.mark.multiprocess
 def test_sigterm_from_the_scheduler_says_how_to_resume(tmp_path):
     """SIGTERM to a launcher (how SLURM ends a job, and how a launcher that lost its
     rendezvous stops its ranks): every rank says it was stopped and where training resumes."""
