@@ -255,7 +255,7 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
                 scratch = [0]
 
                 def note(op: str, axes, nbytes: int) -> None:
-                    if op in ("all_gather", "reduce_scatter"):
+                    if op in ("all_gather", "reduce_scatter", "all_to_all"):  # all_to_all: qgZ's reduction
                         scratch[0] = max(scratch[0], nbytes)
 
                 tracker.watch(state)

@@ -109,10 +109,11 @@ def _qmax(wire: Wire) -> float:
 def _by_block(x: torch.Tensor, wire: Wire) -> torch.Tensor:
     """(*lead, n) -> (*lead, blocks, block), zero-padded."""
     n = x.shape[-1]
-    pad = _blocks(n, wire) * wire.block - n
+    blocks = _blocks(n, wire)
+    pad = blocks * wire.block - n
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(*x.shape[:-1], -1, wire.block)
+    return x.reshape(*x.shape[:-1], blocks, wire.block)  # explicit: a (0, n) tensor has no -1
 
 
 def _check_finite(x: torch.Tensor, wire: Wire, what: str) -> None:
@@ -144,7 +145,7 @@ def encode(x: torch.Tensor, wire: Wire, *, check: bool = True, what: str = "enco
     scale_bytes, payload_bytes, row = _layout(n, wire, x.dtype)
     out = torch.empty(lead + (row,), dtype=torch.uint8, device=x.device)
     if wire.kind == "cast":
-        if check and wire.dtype.itemsize < x.element_size() and x.numel():
+        if check and torch.finfo(wire.dtype).max < torch.finfo(x.dtype).max and x.numel():  # bf16 -> fp16 too
             top = float(x.abs().max())
             if top > torch.finfo(wire.dtype).max:
                 raise SpecError(f"{what}: |x| reaches {top:.3g}, beyond {wire.describe()}'s range "
@@ -159,7 +160,7 @@ def encode(x: torch.Tensor, wire: Wire, *, check: bool = True, what: str = "enco
             q = blocks.round_().clamp_(-qmax, qmax).to(torch.int8)
         else:
             q = blocks.clamp_(-qmax, qmax).to(wire.dtype)
-        q = q.reshape(lead + (-1,))[..., :n]
+        q = q.flatten(-2)[..., :n]
         out[..., :scale_bytes].copy_(scales.view(torch.uint8).reshape(lead + (scale_bytes,)))
     out[..., scale_bytes:scale_bytes + payload_bytes].copy_(q.reshape(lead + (n,)).view(torch.uint8))
     out[..., scale_bytes + payload_bytes:].zero_()
@@ -172,7 +173,6 @@ def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, out: t
 
     `dtype` is the dtype the rows were encoded from (it fixes the scale dtype) or any float
     dtype for casts."""
-    lead = tuple(rows.shape[:-1])
     scale_bytes, payload_bytes, row = _layout(n, wire, dtype)
     if rows.shape[-1] != row:
         raise SpecError(f"decode: rows of {rows.shape[-1]} bytes, expected {row} for {n} elements of "
@@ -184,7 +184,9 @@ def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, out: t
     else:
         scales = rows[..., :scale_bytes].view(_scale_dtype(dtype))
         blocks = _by_block(q.to(scales.dtype), wire) * scales.unsqueeze(-1)
-        value = blocks.reshape(lead + (-1,))[..., :n]
+        top = torch.finfo(scales.dtype).max  # q * scale may round past the dtype's max when amax is at it:
+        blocks.clamp_(-top, top)  # clamping moves the value towards x (|x| <= max), so the bound holds
+        value = blocks.flatten(-2)[..., :n]
     if out is None:
         return value.to(dtype)
     out.copy_(value.reshape(out.shape))

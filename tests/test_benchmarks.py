@@ -206,3 +206,21 @@ def test_context_parallel_tiny(tmp_path):
     section = report.context_parallel_section(saved)
     assert "python -m benchmarks.context_parallel --tiny" in section
     assert section.count("| 2 | 64 |") == 4 and section.count("| 4 | 64 |") == 4
+
+
+def test_quantized_convergence_tiny(tmp_path):
+    """The convergence script at 3 steps of the example's TINY GPT: every run is written,
+    and the compressed reduce-scatter bytes are the fraction the wire format promises."""
+    from benchmarks import quantized_convergence
+
+    results = quantized_convergence.main(["--tiny", "--steps", "3", "--reduce-only", "--out", str(tmp_path / "qc"),
+                                          "--img", str(tmp_path / "qc.png")])
+    assert list(results) == ["fp32", "int8 reduce-scatter", "int8 reduce-scatter, block 256", "fp8_e4m3 reduce-scatter",
+                             "bf16 reduce-scatter"]
+    assert results["fp32"]["rel_diff_to_fp32"] == 0
+    assert results["int8 reduce-scatter"]["reduce_scatter_ratio"] == pytest.approx(0.25, abs=0.01)
+    assert results["int8 reduce-scatter, block 256"]["reduce_scatter_ratio"] == pytest.approx(0.25 + 1 / 256, abs=0.01)
+    assert results["bf16 reduce-scatter"]["reduce_scatter_ratio"] == pytest.approx(0.5, abs=0.01)
+    assert all(len(r["losses"]) == 3 for r in results.values())
+    saved = json.loads((tmp_path / "qc.json").read_text())
+    assert saved["results"]["int8 reduce-scatter"]["final_loss"] == results["int8 reduce-scatter"]["final_loss"]

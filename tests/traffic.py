@@ -12,11 +12,14 @@ from shardfn._backend import ops
 STATS_KEYS = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "num_collectives")
 
 
-def totals(records: list[ops.Collective]) -> dict[str, int]:
-    """Bytes per kind (`<op>_bytes`, zero when absent) and `num_collectives` of `records`."""
+def totals(records: list[ops.Collective], qgz: bool = False) -> dict[str, int]:
+    """Bytes per kind (`<op>_bytes`, zero when absent) and `num_collectives` of `records`.
+    `qgz`: the all-to-alls are quantized gradient reductions, which `stats()` counts as
+    `reduce_scatter_bytes` ([Note: qgZ] in shardfn/_fsdp/qgz.py)."""
     out = Counter({key: 0 for key in STATS_KEYS})
     for c in records:
-        out[f"{c.op}_bytes"] += c.nbytes
+        op = "reduce_scatter" if qgz and c.op == "all_to_all" else c.op
+        out[f"{op}_bytes"] += c.nbytes
         out["num_collectives"] += 1
     return dict(out)
 

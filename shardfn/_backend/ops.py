@@ -36,6 +36,7 @@ __all__ = [
     "Pending",
     "all_gather_async",
     "reduce_scatter_async",
+    "all_to_all_async",
     "FORCE_FALLBACK",
     "recording",
     "Collective",
@@ -361,6 +362,30 @@ def all_to_all(group: Group, x: torch.Tensor, split_dim: int, concat_dim: int) -
         return finish(_blocks_to_pg(group, mine))
 
     return _issue(group, "all_to_all", x, direct, fallback).wait()
+
+
+@_plain_op
+def all_to_all_async(group: Group, x: torch.Tensor) -> Pending:
+    """Start an all-to-all of equal blocks: `x` is (k, *block), block j for logical index j;
+    `wait()` returns (k, *block), block i received from logical index i. (`all_to_all`
+    above is this with dims moved, waited at once; the recording notes `x`, the buffer
+    this rank hands over, as `all_to_all` notes its blocks.)"""
+    x = x.detach().contiguous()
+    blocks = _blocks_to_pg(group, x).contiguous()
+    recv = torch.empty_like(blocks)
+    _note("all_to_all", group, blocks)
+    if x.is_meta:  # [Note: meta tensors] holding its buffers until waited, as a process group's work does
+        return _meta_pending(group, 0, lambda: (blocks, recv)[1])
+
+    def direct():
+        work = group.pg.alltoall_base(recv, blocks, [], [], dist.AllToAllOptions())
+        return work, lambda: _blocks_to_logical(group, recv)
+
+    def fallback():
+        gathered = all_gather_async(group, blocks).wait()  # (k_src, k_dst, ...), logical src
+        return gathered[:, _pg_index(group)]  # blocks were laid out by destination pg rank
+
+    return _issue(group, "all_to_all", x, direct, fallback)
 
 
 @_plain_op

@@ -16,6 +16,8 @@ import torch
 
 from .._backend import ops
 from .._errors import NonFiniteError
+from .._quant import Wire
+from . import qgz
 from .plan import LeafLayout, UnitPlan, unpack_shard_grads
 
 __all__ = ["Stats", "reduce_scatter", "finish_reduce", "shard_grads", "zero_shard_grads", "all_reduce_replicated",
@@ -28,7 +30,9 @@ def _nbytes(x: torch.Tensor) -> int:
 
 class Stats:
     """`step.stats()`: bytes and count of the collectives issued, and the most bytes of
-    gathered (unsharded) parameters alive at once."""
+    gathered (unsharded) parameters alive at once. With quantized gradients
+    (`reduce_scatter_dtype`), `reduce_scatter_bytes` counts the encoded buffer handed to the
+    all-to-all that replaces the reduce-scatter ([Note: qgZ] in qgz.py)."""
 
     KEYS = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "num_collectives", "peak_gathered_bytes")
 
@@ -52,9 +56,13 @@ class Stats:
         self.values["peak_gathered_bytes"] = max(self.values["peak_gathered_bytes"], self.live)
 
 
-def reduce_scatter(packed: torch.Tensor, group, stats: Stats, out: torch.Tensor | None = None) -> ops.Pending:
+def reduce_scatter(packed: torch.Tensor, group, stats: Stats, out: torch.Tensor | None = None,
+                   wire: Wire | None = None) -> ops.Pending:
     """Start the reduce-scatter (sum) of a packed `(k, *lead, S)` gradient buffer over the
-    shard group; the result is this rank's `(*lead, S)` (written into `out` if given)."""
+    shard group; the result is this rank's `(*lead, S)` (written into `out` if given).
+    With a `wire` format, ZeRO++'s qgZ over more than one rank ([Note: qgZ] in qgz.py)."""
+    if wire is not None and group.size > 1:
+        return qgz.reduce_scatter(packed, group, wire, stats, out=out)
     stats.collective("reduce_scatter", _nbytes(packed))
     return ops.reduce_scatter_async(group, packed, out=out)
 

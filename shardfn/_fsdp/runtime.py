@@ -59,6 +59,9 @@ __all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState", "Met
 # no finiteness check, no vmap. At most _IN_FLIGHT of them are in flight: the process group
 # holds each one's packed (k, S) input, a whole unsharded unit, until it is waited, so a
 # unit's reduce-scatter first waits for the one two units back (FSDP2 keeps one in flight).
+# A quantized reduction ([Note: qgZ] in qgz.py) defers the same way: its all-to-all of
+# encoded rows is in flight (holding a quarter of the packed bytes for int8), and the
+# decode and float32 sum into the shard-gradient buffer happen at the wait.
 
 # [Note: units used again later in the forward]
 # The schedule frees a unit when the next one is entered, which assumes a unit's
@@ -513,10 +516,11 @@ class RankState:
                 flat = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
                 while len(self.deferred) >= _IN_FLIGHT:  # its packed input would stay alive until waited
                     _settle(self.deferred.pop(0))
-                self.deferred.append((reduce.reduce_scatter(packed, g.shard, self.stats, out=flat), flat, finish))
+                self.deferred.append((reduce.reduce_scatter(packed, g.shard, self.stats, out=flat, wire=g.reduce_wire),
+                                      flat, finish))
                 out.extend(reduce.shard_grads(plan, flat, g.shard_index, lead))  # filled by finish_deferred
             else:
-                flat = reduce.reduce_scatter(packed, g.shard, self.stats).wait()  # (*lead, S)
+                flat = reduce.reduce_scatter(packed, g.shard, self.stats, wire=g.reduce_wire).wait()  # (*lead, S)
                 reduce.finish_reduce(flat, **finish)
                 if cfg.check_finite:
                     reduce.check_finite(flat, f"the gradient of {plan.name()}", group=g.all, stats=self.stats)

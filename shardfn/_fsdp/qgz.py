@@ -1,0 +1,113 @@
+"""Quantized gradient reduction (ZeRO++'s qgZ): `MixedPrecision(reduce_scatter_dtype=...)`.
+
+Plain functions, as reduce.py's: the runtime calls `reduce_scatter` in place of the
+full-precision one when `Groups.reduce_wire` is set.
+
+[Note: qgZ]
+A quantized *ring* reduce-scatter would re-quantize the running partial sum at each of its
+N - 1 hops, so its error grows with N (and each hop's scale follows the growing sum). qgZ
+quantizes each rank's contribution once instead:
+
+  packed (k, *lead, S) gradient rows, in reduce_dtype (or the leaves' dtype)
+  -> encode row by row ([Note: wire formats] in shardfn/_quant.py): (k, *lead, R) uint8
+  -> one all-to-all over the shard group: row j goes to rank j; rank j receives the k
+     encoded copies of its own row, one from each rank
+  -> decode to float32 (float64 for float64 gradients) and sum locally: (*lead, S)
+  -> cast to the packed dtype; then `finish_reduce` as for a plain reduce-scatter.
+
+Error: the sum of the decoded rows differs from the exact sum by at most the sum of each
+row's own bound (plus the float32 summation's rounding, far below them):
+
+  |err[e]| <= sum over ranks r of bound(row_r)[e]
+           = sum_r amax_r(block of e) / 254                     (int8)
+           <= k * max_r amax_r / 254,
+
+each amax the largest |gradient| of that rank's block. Relative to the largest |summand| in
+a block this is at most k / 254 for int8 (k * 2**-(m+1) + subnormal terms for fp8, k * 2**-8
+for bf16), and relative to the *sum* it does not depend on k when the ranks' gradients are
+alike (the sum grows like k too): one quantization per contribution, not one per hop.
+
+Bytes: each rank hands k rows of `nbytes(S)` bytes to the all-to-all and sends k - 1 of them,
+as a ring reduce-scatter sends (k - 1) / k of its (k, S) input: `reduce_scatter_bytes` counts
+the encoded buffer, `k * prod(lead) * nbytes(S)`, for int8 with float32 gradients
+`k * (S + 4 * ceil(S / block))` rounded up to 8 per row: a quarter of the full-precision
+figure plus the scales.
+
+No error feedback: its residual would be the unsharded (k, S) buffer per rank, state outside
+the checkpoint; for int8, a smaller block size recovers as much (docs/howto/compressed-
+communication.md, measured on the examples' GPT).
+
+A one-rank shard group sends nothing; there the plain reduce-scatter (a copy) keeps the
+gradient exact. NaN / inf are not checked here (a host sync per unit): a non-finite
+gradient makes its whole block NaN after decoding, which `check_finite=True` reports as the
+plain path does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._backend import ops
+from .._quant import Wire, decode, encode, nbytes
+
+__all__ = ["reduce_scatter", "accumulation_dtype", "quantized_all_reduce", "encoded_bytes"]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype decoded rows are summed in: float64 for float64 gradients, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _Decoded:
+    """A qgZ reduction in flight: `wait()` waits for the all-to-all, decodes and sums the
+    received rows into the (*lead, S) result (as `ops.Pending.wait` returns a result)."""
+
+    def __init__(self, pending: ops.Pending, wire: Wire, n: int, dtype: torch.dtype, out: torch.Tensor):
+        self.pending, self.wire, self.n, self.dtype, self.out = pending, wire, n, dtype, out
+
+    def wait(self) -> torch.Tensor:
+        with ops.plain_mode():
+            received = self.pending.wait()  # (k, *lead, R): row i from rank i
+            self.pending = None
+            acc = torch.empty(received.shape[:-1] + (self.n,), dtype=accumulation_dtype(self.dtype),
+                              device=received.device)
+            decode(received, self.wire, self.n, self.dtype, out=acc)
+            self.out.copy_(acc.sum(0))
+            return self.out
+
+
+def reduce_scatter(packed: torch.Tensor, group, wire: Wire, stats, out: torch.Tensor | None = None):
+    """Start the qgZ reduction of a packed `(k, *lead, S)` gradient buffer over the shard
+    group ([Note: qgZ]); `wait()` gives this rank's `(*lead, S)` sum in `packed`'s dtype
+    (written into `out` if given). `stats` counts the encoded bytes as the reduce-scatter's."""
+    with ops.plain_mode():
+        n = packed.shape[-1]
+        rows = encode(packed, wire, check=False)  # (k, *lead, R)
+        stats.collective("reduce_scatter", rows.numel() * rows.element_size())
+        if out is None:
+            out = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
+        return _Decoded(ops.all_to_all_async(group, rows), wire, n, packed.dtype, out)
+
+
+def quantized_all_reduce(x: torch.Tensor, group, wire: Wire, stats) -> torch.Tensor:
+    """Sum `x` (*lead, n) over `group` with both halves quantized: a qgZ reduce-scatter of
+    its k chunks, then an all-gather of each rank's encoded sum ([Note: HSDP across
+    replicas] in reduce.py: measured, not used by `shard`). Returns a new tensor."""
+    with ops.plain_mode():
+        k, n = group.size, x.shape[-1]
+        c = -(-n // k)
+        padded = torch.nn.functional.pad(x, (0, c * k - n)).unflatten(-1, (k, c)).movedim(-2, 0)  # (k, *lead, c)
+        mine = reduce_scatter(padded.contiguous(), group, wire, stats).wait()  # (*lead, c)
+        rows = encode(mine, wire, check=False)
+        stats.collective("all_gather", rows.numel() * rows.element_size() * k)
+        gathered = ops.all_gather_async(group, rows).wait()  # (k, *lead, R)
+        total = decode(gathered, wire, c, x.dtype)  # (k, *lead, c)
+        return total.movedim(0, -2).flatten(-2)[..., :n].contiguous()
+
+
+def encoded_bytes(shape: tuple[int, ...], wire: Wire, dtype: torch.dtype) -> int:
+    """Bytes of a `(k, *lead, S)` buffer encoded row by row: what `reduce_scatter` hands over."""
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows * nbytes(shape[-1], wire, dtype)
