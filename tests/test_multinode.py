@@ -258,7 +258,7 @@ def test_compressed_two_launchers_equal_one_launcher(tmp_path):
     """int8 all-gathers and int8 reduce-scatters (sf.MixedPrecision, passed through by the
     example): the quantized computation is the same on both launches, so the losses are too,
     bit for bit; they differ from fp32's (the compression is in effect) by little, and the
-    all-gathers move a quarter of fp32's bytes."""
+    all-gathers and reduce-scatters move a quarter of fp32's bytes."""
     args = [*TINY, "--steps", "8"]
     int8 = ["--all-gather-dtype", "int8", "--reduce-scatter-dtype", "int8", "--block-size", "256"]
     run_two_nodes(tmp_path, "two", [*args, *int8, "--out", str(tmp_path / "two.json")])
@@ -275,9 +275,12 @@ def test_compressed_two_launchers_equal_one_launcher(tmp_path):
     assert two != fp32, "int8 gathers and reductions gave fp32's losses bit for bit: not compressed?"
     assert abs(two[-1] - fp32[-1]) < 0.02 * fp32[-1], (two[-1], fp32[-1])
     # rank 0's last step: int8 rows are S bytes + a float32 scale per 256 elements, fp32's 4 S
-    # (docs/howto/compressed-communication.md): 25.4 % here
-    ratio = report["stats"]["all_gather_bytes"] / report32["stats"]["all_gather_bytes"]
-    assert 0.25 < ratio < 0.26, (report["stats"], report32["stats"])
+    # (docs/howto/compressed-communication.md): 25.4 % here, for the in-node all-gathers and
+    # reduce-scatters; the gradient all-reduce across nodes stays full precision (HSDP's choice)
+    stats, stats32 = report["stats"], report32["stats"]
+    for key in ("all_gather_bytes", "reduce_scatter_bytes"):
+        assert 0.25 < stats[key] / stats32[key] < 0.26, (key, stats, stats32)
+    assert stats["all_reduce_bytes"] == stats32["all_reduce_bytes"] > 0
 
 
 @pytest.mark.slow  # ~70 s each: a reference run, a killed run and its restart
