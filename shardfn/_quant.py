@@ -36,13 +36,14 @@ spread NaN over its whole block.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from ._errors import SpecError
 
-__all__ = ["Wire", "WIRE_SPECS", "encode", "decode", "nbytes", "bound"]
+__all__ = ["NonFiniteWire", "Wire", "WIRE_SPECS", "encode", "decode", "nbytes", "bound"]
 
 _FP8 = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits, e_min
 _CASTS = {torch.bfloat16: 7, torch.float16: 10}
@@ -116,10 +117,13 @@ def _by_block(x: torch.Tensor, wire: Wire) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], blocks, wire.block)  # explicit: a (0, n) tensor has no -1
 
 
-def _check_finite(x: torch.Tensor, wire: Wire, what: str) -> None:
-    if not bool(torch.isfinite(x).all()):
-        bad = int((~torch.isfinite(x)).sum())
-        raise SpecError(f"{what}: {bad} of {x.numel()} values are NaN or infinite; the {wire.describe()} "
+class NonFiniteWire(SpecError):
+    """NaN / inf refused by `encode` (a SpecError; callers may name the leaves)."""
+
+
+def _refuse_non_finite(x: torch.Tensor, wire: Wire, what: str) -> None:
+    bad = int((~torch.isfinite(x)).sum())
+    raise NonFiniteWire(f"{what}: {bad} of {x.numel()} values are NaN or infinite; the {wire.describe()} "
                         f"wire format cannot carry them (a block's scale would make its whole block NaN).\n"
                         f"Fix: find where they come from (sf.shard(check_finite=True) names the step), or "
                         f"communicate without compression.")
@@ -139,21 +143,23 @@ def encode(x: torch.Tensor, wire: Wire, *, check: bool = True, what: str = "enco
     SpecError naming `what`; this reads a value on the host (skip it where that sync costs)."""
     if not x.is_floating_point():
         raise SpecError(f"{what}: a wire format encodes floating tensors, got {x.dtype}")
-    if check:
-        _check_finite(x, wire, what)
     lead, n = tuple(x.shape[:-1]), x.shape[-1]
     scale_bytes, payload_bytes, row = _layout(n, wire, x.dtype)
     out = torch.empty(lead + (row,), dtype=torch.uint8, device=x.device)
     if wire.kind == "cast":
-        if check and torch.finfo(wire.dtype).max < torch.finfo(x.dtype).max and x.numel():  # bf16 -> fp16 too
-            top = float(x.abs().max())
-            if top > torch.finfo(wire.dtype).max:
+        if check and x.numel():  # one pass: NaN propagates through amax, inf shows as itself
+            top = float(x.abs().amax())
+            if not math.isfinite(top):
+                _refuse_non_finite(x, wire, what)
+            if top > torch.finfo(wire.dtype).max:  # e.g. fp32 -> fp16, bf16 -> fp16
                 raise SpecError(f"{what}: |x| reaches {top:.3g}, beyond {wire.describe()}'s range "
                                 f"({torch.finfo(wire.dtype).max:.3g}).\nFix: use a scaled format "
                                 f"('int8' or float8 with per-block scales) or no compression.")
         q = x.to(wire.dtype)
     else:
         scales = _scales(x, wire)
+        if check and not bool(torch.isfinite(scales).all()):  # a block's amax is NaN / inf: its values are
+            _refuse_non_finite(x, wire, what)
         blocks = _by_block(x.to(scales.dtype), wire) / scales.unsqueeze(-1)
         qmax = _qmax(wire)
         if wire.kind == "int8":
@@ -165,6 +171,20 @@ def encode(x: torch.Tensor, wire: Wire, *, check: bool = True, what: str = "enco
     out[..., scale_bytes:scale_bytes + payload_bytes].copy_(q.reshape(lead + (n,)).view(torch.uint8))
     out[..., scale_bytes + payload_bytes:].zero_()
     return out
+
+
+def _fp8_to_float(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 -> `dtype` through float16's bits, exactly: e5m2 is float16's top byte, and e4m3fn's
+    bits shifted into float16's places are the value times 2**-8 (both biases differ by 8),
+    subnormals included. (torch's direct fp8 conversion runs about twice as slow on CPU.)
+    e4m3fn's NaN (S.1111.111) has no float16 twin there and is put back by hand."""
+    u = q.view(torch.uint8).to(torch.int16)
+    if q.dtype == torch.float8_e5m2:
+        return (u << 8).view(torch.float16).to(dtype)
+    magnitude = u & 0x7F
+    half = (magnitude << 7) | ((u & 0x80) << 8)
+    value = half.view(torch.float16).to(dtype).mul_(256.0)
+    return value.masked_fill_(magnitude == 0x7F, float("nan"))
 
 
 def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
@@ -183,7 +203,8 @@ def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, out: t
         value = q
     else:
         scales = rows[..., :scale_bytes].view(_scale_dtype(dtype))
-        blocks = _by_block(q.to(scales.dtype), wire) * scales.unsqueeze(-1)
+        wide = _fp8_to_float(q, scales.dtype) if wire.kind == "fp8" else q.to(scales.dtype)
+        blocks = _by_block(wide, wire) * scales.unsqueeze(-1)
         top = torch.finfo(scales.dtype).max  # q * scale may round past the dtype's max when amax is at it:
         blocks.clamp_(-top, top)  # clamping moves the value towards x (|x| <= max), so the bound holds
         value = blocks.flatten(-2)[..., :n]

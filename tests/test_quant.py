@@ -232,3 +232,17 @@ def test_decode_into_out_and_zero_rows():
     assert torch.equal(out, decode(encode(x, wire), wire, 12, torch.float32).double())
     empty = torch.empty(0, 12)
     assert decode(encode(empty, wire), wire, 12, torch.float32).shape == (0, 12)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("out", [torch.float32, torch.float64])
+def test_fp8_decode_through_float16_bits_is_torchs_conversion_for_every_byte(fp8, out):
+    """`_fp8_to_float` (the fast path of decode) against torch's own fp8 conversion, on all
+    256 bit patterns: zeros, subnormals, the max, and e4m3fn's NaN."""
+    from shardfn._quant import _fp8_to_float
+
+    every = torch.arange(256, dtype=torch.uint8).view(fp8)
+    mine, theirs = _fp8_to_float(every, out), every.to(out)
+    assert mine.dtype == out
+    assert torch.equal(mine.isnan(), theirs.isnan())
+    assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0))

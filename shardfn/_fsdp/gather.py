@@ -34,7 +34,7 @@ import torch
 from .. import _tree
 from .._backend import ops
 from .._errors import NonFiniteError
-from .._quant import Wire, decode, encode, nbytes
+from .._quant import NonFiniteWire, Wire, decode, encode, nbytes
 from .plan import UnitPlan, copy_out as _copy_out, leaf_views, pack_shards, region_views
 
 __all__ = ["send_buffer", "row_bytes", "start", "copy_out", "stacked_leaves", "gather_full", "should_check"]
@@ -63,15 +63,13 @@ def send_buffer(plan: UnitPlan, shards, dtype: torch.dtype, device, *, wire: Wir
     if wire is None:
         return pack_shards(plan, shards, dtype, device, lead)
     packed = pack_shards(plan, shards, plan.dtype, device, lead)
-    if check:
-        _check_finite(plan, shards, packed, wire)
-    # encode's own check: a cast's range (finiteness is checked above, naming the leaf)
-    return encode(packed, wire, check=check and wire.kind == "cast", what=f"shard: the all-gather of {plan.name()}")
+    try:  # the check reads the blocks' scales (or a cast's amax): no extra pass over the shard
+        return encode(packed, wire, check=check, what=f"shard: the all-gather of {plan.name()}")
+    except NonFiniteWire:
+        _refuse_non_finite(plan, shards, wire)
 
 
-def _check_finite(plan: UnitPlan, shards, packed: torch.Tensor, wire: Wire) -> None:
-    if bool(torch.isfinite(packed).all()):
-        return
+def _refuse_non_finite(plan: UnitPlan, shards, wire: Wire) -> None:
     bad = [f"params{_tree.keystr(layout.path)} ({int((~torch.isfinite(x)).sum())} of {x.numel()} values on this rank)"
            for layout, x in zip(plan.sharded, shards) if not bool(torch.isfinite(x).all())]
     raise NonFiniteError(
