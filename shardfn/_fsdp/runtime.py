@@ -27,6 +27,7 @@ from .autograd import GatherUnit, LossMean, plain
 from .view import stacked
 from .view import current_scope
 from .groups import Groups
+from .held import Held, Meter
 from .plan import Plan, UnitPlan, leaf_views, pack_grads
 
 __all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState", "Meter"]
@@ -142,20 +143,6 @@ class Schedule:
         return need, upcoming[len(need): len(need) + self.prefetch]
 
 
-class Meter:
-    """Bytes of one kind of buffer alive now, and the most at once since `reset`."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.live = self.peak = 0
-
-    def add(self, nbytes: int) -> None:
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-
-
 class UnitRuntime:
     """One unit on one rank: its unsharded buffer, its state and this step's shards."""
 
@@ -174,13 +161,14 @@ class UnitRuntime:
         self.state = UnitState.SHARDED
         self.pending: ops.Pending | None = None  # the all-gather in flight while GATHERING
         self.gathering_kept = False  # ... and whether it re-gathers the hpZ rows
-        self.send_bytes = 0  # a packed send buffer in flight (0: the shard itself, or `encoded`, is sent)
-        self.apart_bytes = 0  # a separate (k, S) / (k, nbytes(S)) all-gather output, alive until the copy-out
-        self.full_held = False  # the unsharded buffer has storage
+        self.send = Held(stats)  # a packed send buffer in flight (0 bytes: the shard itself, or `encoded`, is sent)
+        self.apart = Held(stats)  # a separate (k, S) / (k, nbytes(S)) all-gather output, alive until the copy-out
+        self.full_bytes = Held(stats)  # the unsharded buffer's storage
+        self.kept_bytes = Held(stats)  # the hpZ rows
         self.kept: torch.Tensor | None = None  # (k / M, S) hpZ rows (encoded rows with a wire format)
         self.encoded: torch.Tensor | None = None  # (nbytes(S),) uint8: this step's encoded shard buffer
         self.hold_encoded = False  # keep `encoded` across calls (accumulate's micro-batches)
-        self.encoded_meter = encoded_meter or Meter()
+        self.encoded_bytes = Held(stats, encoded_meter or Meter())
         self.shards: list[torch.Tensor] = []  # this step's plain shard tensors (sharded leaves)
         self.outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
         self.backward_done = False
@@ -192,6 +180,11 @@ class UnitRuntime:
     @property
     def nbytes(self) -> int:
         return self.plan.full_numel * self.dtype.itemsize if self.plan.sharded else 0
+
+    @property
+    def full_held(self) -> bool:
+        """The unsharded buffer has storage."""
+        return self.full_bytes.held
 
     @property
     def gather_bytes(self) -> int:
@@ -239,9 +232,8 @@ class UnitRuntime:
             if into_buffer and len(plan.sharded) == 1:
                 out = self._alloc_full().view(plan.k, plan.shard_numel)
         fresh = not (self.gathering_kept or send is self.encoded or any(ops.same_memory(send, x) for x in self.shards))
-        self.send_bytes = send.numel() * send.element_size() if fresh else 0  # a shard itself is no new buffer
-        self.apart_bytes = 0 if out is not None else self.gather_bytes  # a separate all-gather output
-        self.stats.hold(self.send_bytes + self.apart_bytes)
+        self.send.take(send.numel() * send.element_size() if fresh else 0)  # a shard itself is no new buffer
+        self.apart.take(0 if out is not None else self.gather_bytes)  # a separate all-gather output
         self.pending = gather.start(g.hpz if self.gathering_kept else g.shard, send, out=out)
         self.stats.collective("all_gather", self.gather_bytes)
         self.state = UnitState.GATHERING
@@ -251,17 +243,13 @@ class UnitRuntime:
         if self.encoded is None:
             self.encoded = gather.send_buffer(self.plan, self.shards, self.dtype, self.groups.device, wire=self.wire,
                                               check=self.check)
-            self._count_encoded(self.row_bytes)
+            self.encoded_bytes.take(self.row_bytes)
         return self.encoded
 
     def drop_encoded(self) -> None:
         if self.encoded is not None:
             self.encoded = None
-            self._count_encoded(-self.row_bytes)
-
-    def _count_encoded(self, nbytes: int) -> None:
-        self.stats.hold(nbytes)
-        self.encoded_meter.add(nbytes)
+            self.encoded_bytes.free()
 
     def _alloc_full(self) -> torch.Tensor:
         """Give the unsharded buffer its storage (counted); returns its `.data`."""
@@ -270,8 +258,7 @@ class UnitRuntime:
             self._full_data = self.full.data
         else:
             self._full_data.untyped_storage().resize_(self.nbytes)
-        self.stats.hold(self.nbytes)
-        self.full_held = True
+        self.full_bytes.take(self.nbytes)
         return self._full_data
 
     def finish_gather(self, in_forward: bool = False) -> None:
@@ -285,18 +272,19 @@ class UnitRuntime:
             gathered = self._wait()  # (k, S) in logical rank order; (M, k / M, S) from the kept rows
             g, plan = self.groups, self.plan
             if self.gathering_kept:  # reordered into a copy: two (k, S) buffers for a moment, then the
-                self.stats.hold(self.gather_bytes)  # gathered one is freed and apart_bytes stands for the copy
-                self.stats.hold(-self.gather_bytes)
+                copy = Held(self.stats)  # gathered one is freed and `apart` stands for the copy
+                copy.take(self.gather_bytes)
+                copy.free()
                 gathered = gathered.reshape(plan.k, -1).index_select(0, g.hpz_order)
             elif g.hpz_keep is not None and in_forward and not plan.is_root:
                 self.kept = gathered.index_select(0, g.hpz_keep)  # (k / M, S), a copy
-                self.stats.hold(self.kept.numel() * self.kept.element_size())
+                self.kept_bytes.take(self.kept.numel() * self.kept.element_size())
             if not self.full_held:
                 self._alloc_full()
             if gathered.data_ptr() != self._full_data.data_ptr():
                 gather.copy_out(plan, gathered, self._full_data, self.wire)
             del gathered
-            self._release_apart()
+            self.apart.free()
             if not self.regather and not self.hold_encoded:  # no gather from the shards again this step
                 self.drop_encoded()
             self.state = UnitState.GATHERED
@@ -305,20 +293,15 @@ class UnitRuntime:
         """Wait for the all-gather; its send buffer is released here."""
         gathered = self.pending.wait()
         self.pending = None
-        self.stats.hold(-self.send_bytes)
-        self.send_bytes = 0
+        self.send.free()
         return gathered
-
-    def _release_apart(self) -> None:
-        self.stats.hold(-self.apart_bytes)
-        self.apart_bytes = 0
 
     def reshard(self, post_forward: bool = False) -> None:
         """Release the unsharded storage. `post_forward`: a forward-time release, which
         keeps the hpZ rows (if any) for the backward's re-gather (SHARDED_POST_FORWARD);
         otherwise they are dropped too."""
         if not post_forward and self.kept is not None:
-            self.stats.hold(-self.kept.numel() * self.kept.element_size())
+            self.kept_bytes.free()
             self.kept = None
         if not post_forward and not self.hold_encoded:  # its backward is done (or the step over)
             self.drop_encoded()
@@ -326,11 +309,10 @@ class UnitRuntime:
             return
         if self.state is UnitState.GATHERING:
             self._wait()
-            self._release_apart()
+            self.apart.free()
         if self.full_held:
             self._full_data.untyped_storage().resize_(0)
-            self.stats.hold(-self.nbytes)
-            self.full_held = False
+            self.full_bytes.free()
         self.state = UnitState.SHARDED_POST_FORWARD if self.kept is not None else UnitState.SHARDED
 
     def views(self) -> list[torch.Tensor]:
