@@ -67,7 +67,7 @@ class GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def forward(rs: RankState, u: int, *inputs):
-        rs.enter(u, inputs)
+        rs.pre_forward(u, inputs)
         unit = rs.units[u]
         n = len(unit.plan.sharded)
         return tuple(unit.views()) + tuple(x.view_as(x) for x in inputs[n:])
@@ -79,7 +79,7 @@ class GatherUnit(torch.autograd.Function):
     @staticmethod
     @not_traced(_BACKWARD)
     def backward(ctx, *grads):
-        ctx.rs.unit_backward(ctx.u)
+        ctx.rs.post_backward(ctx.u)
         return (None, None) + tuple(ReduceScatterUnit.apply(ctx.rs, ctx.u, False, *grads))
 
     @staticmethod
@@ -92,7 +92,7 @@ class GatherUnit(torch.autograd.Function):
             outs = GatherUnit.apply(rs, u, *inputs)
             return outs, (None,) * len(outs)
         # [Note: stacked shards] vmap over an ensemble: every member's shards, stacked.
-        rs.units[u].stacked = True
+        rs.units[u].step.stacked = True
         outs = GatherStacked.apply(rs, u, *_batch_first(inputs, in_dims[2:], info.batch_size))
         return outs, (0,) * len(outs)
 
@@ -219,7 +219,7 @@ class LossMean(torch.autograd.Function):
     @not_traced(_BACKWARD)
     def backward(ctx, g):
         rs = ctx.rs
-        rs.backward_start()
+        rs.pre_backward()
         if ctx.weight is None:
             scale = 1.0 / (rs.groups.data.size * rs.groups.tp_size)  # [Note: FSDP x TP] rule (1)
             rounded = float(torch.tensor(scale, dtype=g.dtype))

@@ -12,6 +12,7 @@ Gradient reduction itself is plain functions in reduce.py.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import torch
@@ -143,6 +144,27 @@ class Schedule:
         return need, upcoming[len(need): len(need) + self.prefetch]
 
 
+@dataclasses.dataclass
+class UnitStep:
+    """What one unit knows of the current step, built fresh each step (nothing to reset)."""
+
+    shards: list[torch.Tensor] = dataclasses.field(default_factory=list)  # plain shard tensors (sharded leaves)
+    outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
+    backward_done: bool = False
+    stacked: bool = False  # gathered stacked shards (vmap over an ensemble): no schedule
+    pinned: bool = False  # used again after other units in this forward: kept until its backward
+
+
+@dataclasses.dataclass
+class RankStep:
+    """What one rank knows of the current step beside its units', built fresh each step."""
+
+    leaves: list[torch.Tensor] = dataclasses.field(default_factory=list)  # the shard leaves loss_fn's caller passed
+    scope: object = None  # the `together` block being read ...
+    scope_units: set[int] = dataclasses.field(default_factory=set)  # ... and its units
+    scope_of: dict[int, object] = dataclasses.field(default_factory=dict)  # unit -> the `together` block it was entered in
+
+
 class UnitRuntime:
     """One unit on one rank: its unsharded buffer, its state and this step's shards."""
 
@@ -169,11 +191,7 @@ class UnitRuntime:
         self.encoded: torch.Tensor | None = None  # (nbytes(S),) uint8: this step's encoded shard buffer
         self.hold_encoded = False  # keep `encoded` across calls (accumulate's micro-batches)
         self.encoded_bytes = Held(stats, encoded_meter or Meter())
-        self.shards: list[torch.Tensor] = []  # this step's plain shard tensors (sharded leaves)
-        self.outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
-        self.backward_done = False
-        self.stacked = False  # this step gathered stacked shards (vmap over an ensemble): no schedule
-        self.pinned = False  # used again after other units in this forward: kept until its backward
+        self.step = UnitStep()  # this step's record, built fresh by RankState.begin_step
         self.acc: torch.Tensor | None = None  # (k, *lead, S) unsharded grad sum (accumulate, reduce_once)
         self.acc_replicated: list | None = None
 
@@ -228,10 +246,10 @@ class UnitRuntime:
         elif self.wire is not None:
             send = self._encoded()  # -> (k, nbytes(S)) uint8
         else:
-            send = gather.send_buffer(plan, self.shards, self.dtype, g.device)
+            send = gather.send_buffer(plan, self.step.shards, self.dtype, g.device)
             if into_buffer and len(plan.sharded) == 1:
                 out = self._alloc_full().view(plan.k, plan.shard_numel)
-        fresh = not (self.gathering_kept or send is self.encoded or any(ops.same_memory(send, x) for x in self.shards))
+        fresh = not (self.gathering_kept or send is self.encoded or any(ops.same_memory(send, x) for x in self.step.shards))
         self.send.take(send.numel() * send.element_size() if fresh else 0)  # a shard itself is no new buffer
         self.apart.take(0 if out is not None else self.gather_bytes)  # a separate all-gather output
         self.pending = gather.start(g.hpz if self.gathering_kept else g.shard, send, out=out)
@@ -241,7 +259,7 @@ class UnitRuntime:
     def _encoded(self) -> torch.Tensor:
         """This step's encoded shard buffer, encoded on first use ([Note: quantized all-gather])."""
         if self.encoded is None:
-            self.encoded = gather.send_buffer(self.plan, self.shards, self.dtype, self.groups.device, wire=self.wire,
+            self.encoded = gather.send_buffer(self.plan, self.step.shards, self.dtype, self.groups.device, wire=self.wire,
                                               check=self.check)
             self.encoded_bytes.take(self.row_bytes)
         return self.encoded
@@ -315,6 +333,32 @@ class UnitRuntime:
             self.full_bytes.free()
         self.state = UnitState.SHARDED_POST_FORWARD if self.kept is not None else UnitState.SHARDED
 
+    # -- the unit's transitions (FSDP2's FSDPParamGroup shape) ------------------------------
+    # RankState decides when (the schedule, other units); these say what happens to this one.
+
+    def pre_forward(self, inputs) -> None:
+        """The forward enters the unit: take this call's shards, have it gathered."""
+        self.step.shards = [plain(x) for x in inputs[: len(self.plan.sharded)]]
+        self.finish_gather(in_forward=True)
+
+    def post_forward(self) -> None:
+        """The forward is done with the unit: free it, keeping hpZ rows for the backward."""
+        self.reshard(post_forward=True)
+
+    def pre_backward(self) -> None:
+        """The unit's backward ops come next: have it gathered (again)."""
+        self.finish_gather()
+
+    def prefetch_backward(self) -> None:
+        """Its backward is near: start gathering beside the buffer ([Note: units used again later
+        in the forward])."""
+        self.start_gather(into_buffer=False)
+
+    def post_backward(self) -> None:
+        """Its gradients are complete: free everything this step gathered for it."""
+        self.step.backward_done = True
+        self.reshard()
+
     def views(self) -> list[torch.Tensor]:
         # Views of `full` (not of `_full_data`): our writes bump only `_full_data`'s version
         # counter, so tensors saved for backward stay valid. [Note: why storage is freed, not the tensor]
@@ -341,13 +385,11 @@ class RankState:
         self.deferred: list = []  # (ops.Pending, (*lead, S) output, finish_reduce kwargs) per deferred unit
         # The loss must be the same on every tensor-parallel rank: checked on the first call.
         self.loss_checked = self.groups.tp_size == 1
-        self.leaves: list[torch.Tensor] = []  # this step's shard leaves, as loss_fn's caller passed them
+        self.step = RankStep()  # this step's record, built fresh by begin_step
         self.grad_fix = 1.0  # exact / rounded 1/N of the loss mean's backward ([Note: the loss mean's 1/N])
         self.batch_size = UNKNOWN  # this call's local batch size (batch.py), set by the step
         self.loss_weight: float | None = None  # this rank's weight in the loss mean, when not 1/N (batch.py)
         self.batch_check = None  # batch.EqualCheck of the last step, read at the next one (on an accelerator)
-        self.scope, self.scope_units = None, set()  # the `together` block being read, its units
-        self.scope_of: dict[int, object] = {}  # unit -> the `together` block it was entered in
 
     # -- step lifecycle -------------------------------------------------------------------
     def begin_step(self, leaves: list[torch.Tensor]) -> None:
@@ -360,14 +402,9 @@ class RankState:
             self.stats.reset()
             self.encoded.reset()
         self.schedule.begin_step()
-        self.leaves = list(leaves)
+        self.step = RankStep(leaves=list(leaves))
         for unit in self.units:
-            unit.outputs = None
-            unit.backward_done = False
-            unit.stacked = False
-            unit.pinned = False
-            unit.shards = [plain(leaves[layout.index]) for layout in unit.plan.sharded]
-        self.scope, self.scope_units, self.scope_of = None, set(), {}
+            unit.step = UnitStep(shards=[plain(leaves[layout.index]) for layout in unit.plan.sharded])
 
     def drop_encoded(self) -> None:
         """Forget every unit's encoded send buffer (the shards changed: a new step)."""
@@ -375,12 +412,13 @@ class RankState:
             unit.hold_encoded = False
             unit.drop_encoded()
 
-    def end_forward(self) -> None:
+    def post_forward(self) -> None:
+        """The forward of the step is over: free the units it gathered (reshard_after_forward)."""
         self.schedule.in_forward = False
         if self.config.reshard_after_forward:
             for i in self.schedule.order:
-                if not self.units[i].plan.is_root and not self.units[i].pinned:
-                    self.units[i].reshard(post_forward=True)
+                if not self.units[i].plan.is_root and not self.units[i].step.pinned:
+                    self.units[i].post_forward()
 
     @not_traced(_READ)  # [Note: no whole-step graph] in shardfn/_compile.py
     def leaf(self, i: int) -> torch.Tensor:
@@ -396,79 +434,78 @@ class RankState:
             )
         u = plan.unit_of[i]
         unit = self.units[u]
-        if unit.outputs is None:
+        if unit.step.outputs is None:
             order = unit.plan.sharded + unit.plan.replicated
-            inputs = [self.leaves[l.index] for l in order]
+            inputs = [self.step.leaves[l.index] for l in order]
             if unit.plan.frozen and stacked(inputs[0]):  # vmap over an ensemble
                 with torch.no_grad():
                     outs = GatherUnit.apply(self, u, *inputs)
             elif unit.plan.frozen:  # gathered, but no gradient: no autograd node at all
                 with torch.no_grad():
                     inputs = [plain(x) for x in inputs]
-                    self.enter(u, inputs)
+                    self.pre_forward(u, inputs)
                     outs = unit.views() + inputs[len(unit.plan.sharded):]
             else:
                 outs = GatherUnit.apply(self, u, *inputs)
-            unit.outputs = {l.index: o for l, o in zip(order, outs)}
-        elif unit.state is not UnitState.GATHERED and not unit.stacked:  # released earlier in this forward
+            unit.step.outputs = {l.index: o for l, o in zip(order, outs)}
+        elif unit.state is not UnitState.GATHERED and not unit.step.stacked:  # released earlier in this forward
             unit.finish_gather(in_forward=True)
-            unit.pinned = True  # [Note: units used again later in the forward]
-        return unit.outputs[i]
+            unit.step.pinned = True  # [Note: units used again later in the forward]
+        return unit.step.outputs[i]
 
     def loss_mean(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss: the mean over the data axes (see LossMean)."""
         return LossMean.apply(loss, self)
 
     # -- the schedule ---------------------------------------------------------------------
-    def enter(self, u: int, inputs) -> None:
-        """Forward: unit u is touched for the first time (inside GatherUnit.forward)."""
+    def pre_forward(self, u: int, inputs) -> None:
+        """Forward: unit u is touched for the first time (inside GatherUnit.forward): free the
+        units before it, gather it, prefetch the next."""
         unit = self.units[u]
-        unit.shards = [plain(x) for x in inputs[: len(unit.plan.sharded)]]
         self.schedule.order.append(u)
         scope = current_scope()
-        if scope is None or scope is not self.scope:
-            self.scope, self.scope_units = scope, set()
+        if scope is None or scope is not self.step.scope:
+            self.step.scope, self.step.scope_units = scope, set()
         if scope is not None:
-            unit.pinned = unit.pinned or scope.held
-            self.scope_of[u] = scope
+            unit.step.pinned = unit.step.pinned or scope.held
+            self.step.scope_of[u] = scope
         if self.config.reshard_after_forward and not unit.plan.is_root:
             for i, other in enumerate(self.units):
                 if (other is not unit and not other.plan.is_root and other.state is UnitState.GATHERED
-                        and not other.pinned and i not in self.scope_units):
-                    other.reshard(post_forward=True)
+                        and not other.step.pinned and i not in self.step.scope_units):
+                    other.post_forward()
         if scope is not None:
-            self.scope_units.add(u)
-        unit.finish_gather(in_forward=True)
+            self.step.scope_units.add(u)
+        unit.pre_forward(inputs)
         for nxt in self.schedule.prefetch_after(u):
             self.units[nxt].start_gather()
 
-    def backward_start(self) -> None:
-        """Backward of the loss: re-gather the units whose backward comes first."""
+    def pre_backward(self) -> None:
+        """Backward of the loss (LossMean): re-gather the units whose backward comes first."""
         if self.config.reshard_after_forward:
-            self._bring([i for i in reversed(self.schedule.order) if not self.units[i].backward_done])
+            self._bring([i for i in reversed(self.schedule.order) if not self.units[i].step.backward_done])
 
-    def unit_backward(self, u: int) -> None:
-        """Backward of unit u's gather (its grads are complete): free it (and the frozen units
-        used after it, whose backward ops have run), then bring the next ones."""
-        unit = self.units[u]
-        unit.backward_done = True
-        unit.reshard()
+    def post_backward(self, u: int) -> None:
+        """Backward of unit u's gather (its grads are complete; GatherUnit.backward): free it
+        (and the frozen units used after it, whose backward ops have run), then bring the
+        next ones. Its gradients are then reduced by `reduce_gradients`."""
+        self.units[u].post_backward()
         order = self.schedule.order
         pos = order.index(u) if u in order else 0
         for i in order[pos + 1:]:
             if self.units[i].plan.frozen:
                 self.units[i].reshard()
         if self.config.reshard_after_forward:
-            self._bring([i for i in reversed(order[:pos]) if not self.units[i].backward_done])
+            self._bring([i for i in reversed(order[:pos]) if not self.units[i].step.backward_done])
 
     def _bring(self, upcoming: list[int]) -> None:
         need, ahead = self.schedule.backward_next(upcoming)
-        scopes = {self.scope_of[i] for i in need if i in self.scope_of}
-        need += [i for i in upcoming if i not in need and self.scope_of.get(i) in scopes]  # read together
+        scopes = {self.step.scope_of[i] for i in need if i in self.step.scope_of}
+        need += [i for i in upcoming if i not in need and self.step.scope_of.get(i) in scopes]  # read together
         for i in need:
-            self.units[i].finish_gather()
+            self.units[i].pre_backward()
         for i in ahead:  # after the copy-out of `need`: its all-gather output is gone by then
-            self.units[i].start_gather(into_buffer=False)  # [Note: units used again later in the forward]
+            self.units[i].prefetch_backward()
 
     # -- gradients ------------------------------------------------------------------------
     def reduce_gradients(self, u: int, grads, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:

@@ -344,7 +344,7 @@ class Shard:
         except RuntimeError as e:  # torch.utils.checkpoint in loss_fn: point to sf.remat
             raise (checkpoint_error(e, "shard: loss_fn") or e) from e
         finally:
-            state.end_forward()
+            state.post_forward()
         loss, aux = (out if self.config.has_aux else (out, None))
         if self.config.has_aux and not (isinstance(out, tuple) and len(out) == 2):
             raise ShardingError("shard(has_aux=True): loss_fn must return a pair (loss, aux)")
