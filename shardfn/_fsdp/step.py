@@ -28,7 +28,8 @@ from .config import Config, MixedPrecision, make_config
 from .plan import Plan, build_plan
 from .batch import local_batch_size
 from .reduce import Stats
-from .runtime import RankState, StepMode
+from .runtime import RankState
+from .schedule import StepMode
 from .unshard import iter_unshard
 from .view import make_view
 
