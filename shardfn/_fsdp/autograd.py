@@ -1,7 +1,9 @@
 """The autograd Functions of `shard`: they move a unit's parameters in (all-gather) and
-its gradients out (reduce-scatter), in reverse and forward mode and under vmap, by
-driving the per-rank schedule of runtime.py ([Note: backward order] there explains when
-their backward nodes run).
+its gradients out (reduce-scatter), in reverse and forward mode and under vmap. They are
+thin adapters: each calls the named transitions of the per-rank state (runtime.py:
+`RankState.pre_forward` / `pre_backward` / `post_backward`, `reduce_gradients`) or the
+unit's own gathers (unit.py), and keeps no logic of the schedule ([Note: backward order]
+in runtime.py explains when their backward nodes run).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import torch
 from .._compile import not_traced
 from .._collectives import _Psum
 from .._errors import ShardingError
-from . import gather
 from .batch import reduce_loss, settle
 
 if TYPE_CHECKING:
@@ -68,9 +69,7 @@ class GatherUnit(torch.autograd.Function):
     @staticmethod
     def forward(rs: RankState, u: int, *inputs):
         rs.pre_forward(u, inputs)
-        unit = rs.units[u]
-        n = len(unit.plan.sharded)
-        return tuple(unit.views()) + tuple(x.view_as(x) for x in inputs[n:])
+        return rs.units[u].forward_outputs(inputs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -128,20 +127,7 @@ class GatherStacked(torch.autograd.Function):
 
     @staticmethod
     def forward(rs: RankState, u: int, *inputs):
-        unit, g = rs.units[u], rs.groups
-        plan = unit.plan
-        n = len(plan.sharded)
-        out = []
-        if plan.sharded:
-            size = inputs[0].shape[0]
-            send = gather.send_buffer(plan, inputs[:n], unit.dtype, g.device, wire=g.gather_wire, lead=(size,),
-                                      check=unit.check)  # (B, S), or (B, nbytes(S)) encoded
-            rs.stats.collective("all_gather", plan.k * send.numel() * send.element_size())
-            rows = gather.start(g.shard, send).wait()  # (k, B, S)
-            del send
-            out.extend(gather.stacked_leaves(plan, rows, unit.dtype, g.gather_wire))
-        out.extend(x.view_as(x) for x in inputs[n:])
-        return tuple(out)
+        return rs.units[u].gather_stacked(inputs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -162,17 +148,7 @@ class GatherTangent(torch.autograd.Function):
 
     @staticmethod
     def forward(rs: RankState, u: int, *tangents):
-        unit, g = rs.units[u], rs.groups
-        plan = unit.plan
-        n = len(plan.sharded)
-        out = []
-        if plan.sharded:
-            zero = [t if t is not None else torch.zeros(l.local_shape(g.shard_index, plan.k), dtype=unit.dtype, device=g.device)
-                    for l, t in zip(plan.sharded, tangents[:n])]
-            out.extend(gather.gather_full(plan, g.shard, zero, unit.dtype, g.device))  # exact: [Note: quantized all-gather]
-        out.extend(t if t is not None else torch.zeros(l.shape, dtype=l.dtype, device=g.device)
-                   for l, t in zip(plan.replicated, tangents[n:]))
-        return tuple(out)
+        return rs.units[u].gather_tangents(tangents)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

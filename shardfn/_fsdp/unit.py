@@ -253,6 +253,42 @@ class UnitRuntime:
         self.step.backward_done = True
         self.reshard()
 
+    # -- what the autograd Functions return (autograd.py) ---------------------------------
+    def forward_outputs(self, inputs) -> tuple[torch.Tensor, ...]:
+        """GatherUnit: the full leaves, views of the unsharded buffer, then the whole leaves."""
+        n = len(self.plan.sharded)
+        return tuple(self.views()) + tuple(x.view_as(x) for x in inputs[n:])
+
+    def gather_stacked(self, inputs) -> tuple[torch.Tensor, ...]:
+        """GatherStacked: stacked (B, ...) shards -> B members' full leaves, one all-gather and
+        no schedule ([Note: stacked shards] in autograd.py)."""
+        g, plan = self.groups, self.plan
+        n = len(plan.sharded)
+        out = []
+        if plan.sharded:
+            size = inputs[0].shape[0]
+            send = gather.send_buffer(plan, inputs[:n], self.dtype, g.device, wire=g.gather_wire, lead=(size,),
+                                      check=self.check)  # (B, S), or (B, nbytes(S)) encoded
+            self.stats.collective("all_gather", plan.k * send.numel() * send.element_size())
+            rows = gather.start(g.shard, send).wait()  # (k, B, S)
+            del send
+            out.extend(gather.stacked_leaves(plan, rows, self.dtype, g.gather_wire))
+        out.extend(x.view_as(x) for x in inputs[n:])
+        return tuple(out)
+
+    def gather_tangents(self, tangents) -> tuple[torch.Tensor, ...]:
+        """GatherTangent (forward mode): the shards' tangents -> the full leaves' tangents."""
+        g, plan = self.groups, self.plan
+        n = len(plan.sharded)
+        out = []
+        if plan.sharded:
+            zero = [t if t is not None else torch.zeros(l.local_shape(g.shard_index, plan.k), dtype=self.dtype, device=g.device)
+                    for l, t in zip(plan.sharded, tangents[:n])]
+            out.extend(gather.gather_full(plan, g.shard, zero, self.dtype, g.device))  # exact: [Note: quantized all-gather]
+        out.extend(t if t is not None else torch.zeros(l.shape, dtype=l.dtype, device=g.device)
+                   for l, t in zip(plan.replicated, tangents[n:]))
+        return tuple(out)
+
     def views(self) -> list[torch.Tensor]:
         # Views of `full` (not of `_full_data`): our writes bump only `_full_data`'s version
         # counter, so tensors saved for backward stay valid. [Note: why storage is freed, not the tensor]
