@@ -15,7 +15,7 @@ real in a dry run] in `_dry_run.py`). What a rank would hold is then counted, no
   outputs, counts the storages that are new, and forgets each when it dies
   (`weakref.finalize` on the untyped storage: a storage's Python object lives as long as
   its memory does, meta ones too). The units' unsharded buffers are freed by resizing
-  their storage ([Note: why storage is freed, not the tensor] in `_fsdp/runtime.py`),
+  their storage ([Note: why storage is freed, not the tensor] in `_fsdp/unit.py`),
   which no op reports, so they are counted from the schedule's state instead.
 """
 

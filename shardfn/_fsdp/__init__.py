@@ -10,7 +10,12 @@ The modules, in the order data flows through them:
   reduce.py    gradient reduction as plain functions (reduce-scatter, HSDP / TP all-reduces)
   batch.py     the loss mean over the data axes and uneven local batches (`batch_weighting`)
   autograd.py  the autograd Functions (gather a unit, reduce its gradients, the loss mean)
-  runtime.py   per rank: `Schedule`, `StepMode`, unit states, leaf resolution
+  held.py      buffers that count their own bytes in `stats()` (`Held`, `Meter`)
+  unit.py      one unit's lifecycle: its buffers, `UnitState`, the per-step `UnitStep`, and
+               its transitions pre_forward / post_forward / pre_backward / post_backward
+  schedule.py  `StepMode` (what kind of call runs) and `Schedule` (access order, prefetch)
+  runtime.py   per rank: `RankState`, when each unit transition runs, leaf resolution,
+               gradient reduction by step mode
   view.py      shard's side of the params view (`make_view`, `current_scope`, `stacked`)
   funcgrad.py  `torch.func.grad(step)` of a step alone, run on that path below the transform
   step.py      the public `Shard` step and `shard()`

@@ -1,7 +1,9 @@
 """The autograd Functions of `shard`: they move a unit's parameters in (all-gather) and
-its gradients out (reduce-scatter), in reverse and forward mode and under vmap, by
-driving the per-rank schedule of runtime.py ([Note: backward order] there explains when
-their backward nodes run).
+its gradients out (reduce-scatter), in reverse and forward mode and under vmap. They are
+thin adapters: each calls the named transitions of the per-rank state (runtime.py:
+`RankState.pre_forward` / `pre_backward` / `post_backward`, `reduce_gradients`) or the
+unit's own gathers (unit.py), and keeps no logic of the schedule ([Note: backward order]
+in runtime.py explains when their backward nodes run).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import torch
 from .._compile import not_traced
 from .._collectives import _Psum
 from .._errors import ShardingError
-from . import gather
 from .batch import reduce_loss, settle
 
 if TYPE_CHECKING:
@@ -67,10 +68,8 @@ class GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def forward(rs: RankState, u: int, *inputs):
-        rs.enter(u, inputs)
-        unit = rs.units[u]
-        n = len(unit.plan.sharded)
-        return tuple(unit.views()) + tuple(x.view_as(x) for x in inputs[n:])
+        rs.pre_forward(u, inputs)
+        return rs.units[u].forward_outputs(inputs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -79,7 +78,7 @@ class GatherUnit(torch.autograd.Function):
     @staticmethod
     @not_traced(_BACKWARD)
     def backward(ctx, *grads):
-        ctx.rs.unit_backward(ctx.u)
+        ctx.rs.post_backward(ctx.u)
         return (None, None) + tuple(ReduceScatterUnit.apply(ctx.rs, ctx.u, False, *grads))
 
     @staticmethod
@@ -92,7 +91,7 @@ class GatherUnit(torch.autograd.Function):
             outs = GatherUnit.apply(rs, u, *inputs)
             return outs, (None,) * len(outs)
         # [Note: stacked shards] vmap over an ensemble: every member's shards, stacked.
-        rs.units[u].stacked = True
+        rs.units[u].step.stacked = True
         outs = GatherStacked.apply(rs, u, *_batch_first(inputs, in_dims[2:], info.batch_size))
         return outs, (0,) * len(outs)
 
@@ -128,20 +127,7 @@ class GatherStacked(torch.autograd.Function):
 
     @staticmethod
     def forward(rs: RankState, u: int, *inputs):
-        unit, g = rs.units[u], rs.groups
-        plan = unit.plan
-        n = len(plan.sharded)
-        out = []
-        if plan.sharded:
-            size = inputs[0].shape[0]
-            send = gather.send_buffer(plan, inputs[:n], unit.dtype, g.device, wire=g.gather_wire, lead=(size,),
-                                      check=unit.check)  # (B, S), or (B, nbytes(S)) encoded
-            rs.stats.collective("all_gather", plan.k * send.numel() * send.element_size())
-            rows = gather.start(g.shard, send).wait()  # (k, B, S)
-            del send
-            out.extend(gather.stacked_leaves(plan, rows, unit.dtype, g.gather_wire))
-        out.extend(x.view_as(x) for x in inputs[n:])
-        return tuple(out)
+        return rs.units[u].gather_stacked(inputs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -162,17 +148,7 @@ class GatherTangent(torch.autograd.Function):
 
     @staticmethod
     def forward(rs: RankState, u: int, *tangents):
-        unit, g = rs.units[u], rs.groups
-        plan = unit.plan
-        n = len(plan.sharded)
-        out = []
-        if plan.sharded:
-            zero = [t if t is not None else torch.zeros(l.local_shape(g.shard_index, plan.k), dtype=unit.dtype, device=g.device)
-                    for l, t in zip(plan.sharded, tangents[:n])]
-            out.extend(gather.gather_full(plan, g.shard, zero, unit.dtype, g.device))  # exact: [Note: quantized all-gather]
-        out.extend(t if t is not None else torch.zeros(l.shape, dtype=l.dtype, device=g.device)
-                   for l, t in zip(plan.replicated, tangents[n:]))
-        return tuple(out)
+        return rs.units[u].gather_tangents(tangents)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -219,7 +195,7 @@ class LossMean(torch.autograd.Function):
     @not_traced(_BACKWARD)
     def backward(ctx, g):
         rs = ctx.rs
-        rs.backward_start()
+        rs.pre_backward()
         if ctx.weight is None:
             scale = 1.0 / (rs.groups.data.size * rs.groups.tp_size)  # [Note: FSDP x TP] rule (1)
             rounded = float(torch.tensor(scale, dtype=g.dtype))

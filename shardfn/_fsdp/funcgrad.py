@@ -72,7 +72,7 @@ def eligible(step, mode, leaves, extra) -> bool:
     """Whether `step(shards, *extra)` may run as `StepGrad` ([Note: torch.func.grad of a
     whole step]): `mode` is the step's StepMode on this rank, `leaves` the shard leaves,
     `extra` the batch and the other arguments."""
-    from .runtime import StepMode
+    from .schedule import StepMode
 
     if step.config.has_aux or mode is not StepMode.EAGER or getattr(_local, "off", False):
         return False

@@ -1,10 +1,10 @@
 """One unit's all-gather: pack (and encode) -> all-gather -> (decode and) copy out.
 
 Every place that gathers a unit's shards goes through these functions: the schedule's
-gathers and re-gathers (runtime.py), the ensemble and forward-mode gathers (autograd.py)
+gathers and re-gathers (unit.py), the ensemble and forward-mode gathers (autograd.py)
 and the exact export (unshard.py). They are plain functions on plain tensors; the caller
 owns the buffers, their lifetimes and their accounting ([Note: gathering into the unit's
-buffer] in runtime.py).
+buffer] in unit.py).
 
 [Note: quantized all-gather]
 With `MixedPrecision(all_gather_dtype=...)` (ZeRO++'s qwZ) a unit's shard buffer travels
@@ -17,7 +17,7 @@ no full-size float copy of the unit exists beside that buffer: the scratch is on
 - The masters (the shards) stay in full precision; the optimizer updates them.
 - The encoding is a function of the shards, which do not change within a step: the
   runtime encodes each unit once per step and keeps the row for the backward's re-gather
-  (runtime.py: `UnitRuntime.encoded`).
+  (unit.py: `UnitRuntime.encoded`).
 - Differentiation treats the quantizer as the identity (straight-through): the gradient
   is the reduce-scatter of the gradient with respect to the decoded parameters, and a
   forward-mode tangent is gathered exactly (`gather_full`).

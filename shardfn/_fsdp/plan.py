@@ -316,7 +316,7 @@ def unpack_shard_grads(unit: UnitPlan, flat: torch.Tensor, index: int, lead: tup
 # rank keeps, of each unit's gathered (k, S) buffer, the k / M rows of the shard-group
 # ranks that share its coordinates on the sub-axes (M ranks in all), i.e. its own shard
 # and those of its counterparts across the other shard axes; the unit is then in state
-# SHARDED_POST_FORWARD (runtime.py). In the backward the M ranks of its sub-axes group
+# SHARDED_POST_FORWARD (unit.py). In the backward the M ranks of its sub-axes group
 # all-gather those rows, (M, k / M, S), which is the whole buffer in another order: no
 # traffic crosses the other shard axes (e.g. nodes). Memory: 1/M of each unit between
 # its forward and its backward.

@@ -1,45 +1,40 @@
-"""The per-rank machinery of `shard`: unit states, the gather/free/re-gather schedule, and
-the resolution of a parameter read inside `loss_fn` to its gathered leaf.
+"""The per-rank machinery of `shard`: the schedule of the unit transitions, the resolution
+of a parameter read inside `loss_fn` to its gathered leaf, and gradient reduction's
+modes.
 
 What one rank keeps is split by how long it lives:
 - `Groups` (groups.py): process groups, indices and dtypes, fixed for a (plan, mesh, config);
-- `Schedule`: which units to gather when (access order, prefetch), learned step to step;
-- `StepMode`: what kind of call is running (one enum instead of flags);
-- `UnitRuntime`: one unit's buffer and `UnitState`;
-- `RankState`: the above together, driven by the autograd Functions of autograd.py.
+- `Schedule` (schedule.py): which units to gather when (access order, prefetch), learned step to step;
+- `StepMode` (schedule.py): what kind of call is running (one enum instead of flags);
+- `UnitRuntime` (unit.py): one unit's lifecycle, buffers and `UnitState`;
+- `RankStep`: what the rank knows of the current step, built fresh each step;
+- `RankState`: the above together. Its transitions `pre_forward` / `post_forward` /
+  `pre_backward` / `post_backward` decide when each unit's transitions of the same names
+  run; the autograd Functions of autograd.py call them and nothing else of the schedule.
 Gradient reduction itself is plain functions in reduce.py.
 """
 
 from __future__ import annotations
 
-import enum
+import dataclasses
 
 import torch
 
 from .. import _tree
-from .._backend import ops
 from .._compile import not_traced
 from .._errors import ShardingError
 from .._shard_map import replicated_mismatch
 from . import gather, reduce
-from .batch import UNKNOWN
 from .autograd import GatherUnit, LossMean, plain
-from .view import stacked
-from .view import current_scope
+from .batch import UNKNOWN
 from .groups import Groups
-from .plan import Plan, UnitPlan, leaf_views, pack_grads
+from .held import Meter
+from .plan import Plan, UnitPlan, pack_grads
+from .schedule import Schedule, StepMode
+from .unit import UnitRuntime, UnitState, UnitStep
+from .view import current_scope, stacked
 
-__all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState", "Meter"]
-
-# [Note: why storage is freed, not the tensor]
-# A unit's full parameters are views of one flat unsharded buffer. Ops that used them
-# saved those views for their backward. After a unit's forward we release the buffer's
-# storage (`untyped_storage().resize_(0)`), and before its backward ops run we resize it
-# back and all-gather into it again: the saved views see the data again without autograd
-# knowing. Writes go through `.data` (a tensor sharing the storage but not the version
-# counter), so the restore is not an in-place op that would invalidate saved tensors.
-# `torch.func` refuses saved-tensor hooks, so this is the mechanism that works under
-# `grad` / `vjp` as well as `loss.backward()`.
+__all__ = ["RankStep", "RankState"]
 
 # [Note: backward order]
 # The autograd engine runs ready nodes highest sequence number first. Unit k's GatherUnit
@@ -81,262 +76,19 @@ __all__ = ["Schedule", "StepMode", "UnitState", "UnitRuntime", "RankState", "Met
 # is there (they gather beside the buffer), so such a use fails loudly ("storage of size
 # 0") instead of reading a buffer an all-gather is filling.
 
+
 _READ = "a parameter read inside a shard step gathers its unit eagerly: a graph break"
 _IN_FLIGHT = 2  # deferred reduce-scatters at once ([Note: deferred reductions])
 
-# Schedule work (gathers, frees) also runs inside backward functions, where functorch
-# would otherwise wrap the results of ops on our plain buffers.
-_raw = ops.plain_mode
 
+@dataclasses.dataclass
+class RankStep:
+    """What one rank knows of the current step beside its units', built fresh each step."""
 
-class UnitState(enum.Enum):
-    SHARDED = "sharded"  # no unsharded storage
-    SHARDED_POST_FORWARD = "sharded_post_forward"  # no unsharded storage; hpZ rows kept ([Note: hpZ])
-    GATHERING = "gathering"  # storage allocated, all-gather in flight
-    GATHERED = "gathered"  # full parameters valid
-
-
-class StepMode(enum.Enum):
-    EAGER = "eager"  # each unit's gradient is reduced and waited when its backward ends
-    DEFERRED = "deferred"  # Shard.grad_and_value: reduce-scatters waited at the end ([Note: deferred reductions])
-    ACCUMULATE = "accumulate"  # Shard.accumulate: as EAGER; stats() covers every micro-batch
-    ACCUMULATE_HOLD = "accumulate_hold"  # accumulate(mode="reduce_once") before the last micro-batch: no reduction
-
-    @property
-    def keeps_stats(self) -> bool:
-        return self in (StepMode.ACCUMULATE, StepMode.ACCUMULATE_HOLD)
-
-
-class Schedule:
-    """Which units to gather when: this step's first-access order, the previous step's
-    (the prefetch plan), and how far ahead to prefetch. Pure bookkeeping: the RankState
-    acts on its answers."""
-
-    def __init__(self, units: tuple[UnitPlan, ...], prefetch: int):
-        self.units = units
-        self.prefetch = prefetch
-        self.order: list[int] = []  # units in first-access order, this step
-        self.prev_order: list[int] = []  # ... on the previous step
-        self.in_forward = False
-
-    def begin_step(self) -> None:
-        self.prev_order, self.order = (self.order or self.prev_order), []
-        self.in_forward = True
-
-    def prefetch_after(self, u: int) -> list[int]:
-        """Forward: the units to start gathering once unit u is entered."""
-        if self.prefetch <= 0 or u not in self.prev_order:
-            return []
-        pos = self.prev_order.index(u)
-        return [i for i in self.prev_order[pos + 1: pos + 1 + self.prefetch] if self.units[i].sharded]
-
-    def backward_next(self, upcoming: list[int]) -> tuple[list[int], list[int]]:
-        """Backward: of the units whose backward is still to come (next first), those to
-        have gathered now — frozen ones (they have no node to do it for the next) up to
-        the first trainable one — and `prefetch` more to start."""
-        need = []
-        for i in upcoming:
-            need.append(i)
-            if not self.units[i].frozen:
-                break
-        return need, upcoming[len(need): len(need) + self.prefetch]
-
-
-class Meter:
-    """Bytes of one kind of buffer alive now, and the most at once since `reset`."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.live = self.peak = 0
-
-    def add(self, nbytes: int) -> None:
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-
-
-class UnitRuntime:
-    """One unit on one rank: its unsharded buffer, its state and this step's shards."""
-
-    def __init__(self, plan: UnitPlan, groups: Groups, stats: reduce.Stats, *, regather: bool = True,
-                 check: bool = False, encoded_meter: Meter | None = None):
-        self.plan = plan
-        self.groups = groups
-        self.stats = stats
-        self.dtype = groups.param_dtype or plan.dtype
-        self.wire = groups.gather_wire if plan.sharded else None  # [Note: quantized all-gather] in gather.py
-        self.row_bytes = gather.row_bytes(plan, self.dtype, self.wire) if plan.sharded else 0  # one rank's send
-        self.regather = regather  # the backward gathers it again from the shards (not from hpZ rows)
-        self.check = check  # encodes refuse NaN / inf (gather.should_check)
-        self.full: torch.Tensor | None = None  # 1-D, k * S elements, leaf-major (see plan.py)
-        self._full_data: torch.Tensor | None = None  # `.data` of full: writes skip the version counter
-        self.state = UnitState.SHARDED
-        self.pending: ops.Pending | None = None  # the all-gather in flight while GATHERING
-        self.gathering_kept = False  # ... and whether it re-gathers the hpZ rows
-        self.send_bytes = 0  # a packed send buffer in flight (0: the shard itself, or `encoded`, is sent)
-        self.apart_bytes = 0  # a separate (k, S) / (k, nbytes(S)) all-gather output, alive until the copy-out
-        self.full_held = False  # the unsharded buffer has storage
-        self.kept: torch.Tensor | None = None  # (k / M, S) hpZ rows (encoded rows with a wire format)
-        self.encoded: torch.Tensor | None = None  # (nbytes(S),) uint8: this step's encoded shard buffer
-        self.hold_encoded = False  # keep `encoded` across calls (accumulate's micro-batches)
-        self.encoded_meter = encoded_meter or Meter()
-        self.shards: list[torch.Tensor] = []  # this step's plain shard tensors (sharded leaves)
-        self.outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
-        self.backward_done = False
-        self.stacked = False  # this step gathered stacked shards (vmap over an ensemble): no schedule
-        self.pinned = False  # used again after other units in this forward: kept until its backward
-        self.acc: torch.Tensor | None = None  # (k, *lead, S) unsharded grad sum (accumulate, reduce_once)
-        self.acc_replicated: list | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.plan.full_numel * self.dtype.itemsize if self.plan.sharded else 0
-
-    @property
-    def gather_bytes(self) -> int:
-        """The all-gather's output: k rows of what each rank sends."""
-        return self.plan.k * self.row_bytes
-
-    # -- gather / free ------------------------------------------------------------------
-    # [Note: gathering into the unit's buffer]
-    # A unit with one sharded leaf has the same rank-major and leaf-major layout, so its
-    # all-gather writes straight into the unit's unsharded buffer: no copy-out, and the
-    # send buffer is the shard itself (no pack) when no cast or padding is needed. A unit
-    # of several leaves gathers into a (k, S) buffer, allocates its unsharded buffer only
-    # when the gather is waited, copies out and drops the (k, S) buffer at once. With a
-    # wire format ([Note: quantized all-gather] in gather.py) every unit gathers encoded
-    # rows into a (k, nbytes(S)) uint8 buffer and decodes them row by row into its
-    # unsharded buffer; the encoded send buffer is made once per step and kept while a
-    # re-gather may need it (until the unit's backward releases it; only for the gather
-    # itself when the backward does not gather from the shards: the root, hpZ,
-    # reshard_after_forward=False). Every buffer is counted in `peak_gathered_bytes` while
-    # it lives: the packed or encoded send buffer, the all-gather output, the unsharded
-    # buffer and the hpZ rows, so the statistic matches what an allocator sees (decoding's
-    # one-row scratch excepted: sf.estimate's step peak sees it).
-
-    def start_gather(self, into_buffer: bool = True) -> None:
-        """Start the all-gather; `into_buffer=False`: never into the unit's buffer (which
-        then stays without storage until `finish_gather`)."""
-        with _raw():
-            self._start_gather(into_buffer)
-
-    def _start_gather(self, into_buffer: bool = True) -> None:
-        if not self.plan.sharded:
-            self.state = UnitState.GATHERED
-            return
-        if self.state not in (UnitState.SHARDED, UnitState.SHARDED_POST_FORWARD):
-            return
-        g, plan = self.groups, self.plan
-        self.gathering_kept = self.state is UnitState.SHARDED_POST_FORWARD
-        out = None
-        if self.gathering_kept:  # [Note: hpZ] re-gather from the kept rows, over the sub-group
-            send = self.kept  # -> (M, k / M, S)
-        elif self.wire is not None:
-            send = self._encoded()  # -> (k, nbytes(S)) uint8
-        else:
-            send = gather.send_buffer(plan, self.shards, self.dtype, g.device)
-            if into_buffer and len(plan.sharded) == 1:
-                out = self._alloc_full().view(plan.k, plan.shard_numel)
-        fresh = not (self.gathering_kept or send is self.encoded or any(ops.same_memory(send, x) for x in self.shards))
-        self.send_bytes = send.numel() * send.element_size() if fresh else 0  # a shard itself is no new buffer
-        self.apart_bytes = 0 if out is not None else self.gather_bytes  # a separate all-gather output
-        self.stats.hold(self.send_bytes + self.apart_bytes)
-        self.pending = gather.start(g.hpz if self.gathering_kept else g.shard, send, out=out)
-        self.stats.collective("all_gather", self.gather_bytes)
-        self.state = UnitState.GATHERING
-
-    def _encoded(self) -> torch.Tensor:
-        """This step's encoded shard buffer, encoded on first use ([Note: quantized all-gather])."""
-        if self.encoded is None:
-            self.encoded = gather.send_buffer(self.plan, self.shards, self.dtype, self.groups.device, wire=self.wire,
-                                              check=self.check)
-            self._count_encoded(self.row_bytes)
-        return self.encoded
-
-    def drop_encoded(self) -> None:
-        if self.encoded is not None:
-            self.encoded = None
-            self._count_encoded(-self.row_bytes)
-
-    def _count_encoded(self, nbytes: int) -> None:
-        self.stats.hold(nbytes)
-        self.encoded_meter.add(nbytes)
-
-    def _alloc_full(self) -> torch.Tensor:
-        """Give the unsharded buffer its storage (counted); returns its `.data`."""
-        if self.full is None:
-            self.full = torch.empty(self.plan.full_numel, dtype=self.dtype, device=self.groups.device)
-            self._full_data = self.full.data
-        else:
-            self._full_data.untyped_storage().resize_(self.nbytes)
-        self.stats.hold(self.nbytes)
-        self.full_held = True
-        return self._full_data
-
-    def finish_gather(self, in_forward: bool = False) -> None:
-        """Wait for (or start and wait for) the unit's all-gather and lay it out in the
-        unsharded buffer; in the forward, also keep the hpZ rows ([Note: hpZ])."""
-        with _raw():
-            if self.state in (UnitState.SHARDED, UnitState.SHARDED_POST_FORWARD):
-                self._start_gather()
-            if self.state is not UnitState.GATHERING:
-                return
-            gathered = self._wait()  # (k, S) in logical rank order; (M, k / M, S) from the kept rows
-            g, plan = self.groups, self.plan
-            if self.gathering_kept:  # reordered into a copy: two (k, S) buffers for a moment, then the
-                self.stats.hold(self.gather_bytes)  # gathered one is freed and apart_bytes stands for the copy
-                self.stats.hold(-self.gather_bytes)
-                gathered = gathered.reshape(plan.k, -1).index_select(0, g.hpz_order)
-            elif g.hpz_keep is not None and in_forward and not plan.is_root:
-                self.kept = gathered.index_select(0, g.hpz_keep)  # (k / M, S), a copy
-                self.stats.hold(self.kept.numel() * self.kept.element_size())
-            if not self.full_held:
-                self._alloc_full()
-            if gathered.data_ptr() != self._full_data.data_ptr():
-                gather.copy_out(plan, gathered, self._full_data, self.wire)
-            del gathered
-            self._release_apart()
-            if not self.regather and not self.hold_encoded:  # no gather from the shards again this step
-                self.drop_encoded()
-            self.state = UnitState.GATHERED
-
-    def _wait(self) -> torch.Tensor:
-        """Wait for the all-gather; its send buffer is released here."""
-        gathered = self.pending.wait()
-        self.pending = None
-        self.stats.hold(-self.send_bytes)
-        self.send_bytes = 0
-        return gathered
-
-    def _release_apart(self) -> None:
-        self.stats.hold(-self.apart_bytes)
-        self.apart_bytes = 0
-
-    def reshard(self, post_forward: bool = False) -> None:
-        """Release the unsharded storage. `post_forward`: a forward-time release, which
-        keeps the hpZ rows (if any) for the backward's re-gather (SHARDED_POST_FORWARD);
-        otherwise they are dropped too."""
-        if not post_forward and self.kept is not None:
-            self.stats.hold(-self.kept.numel() * self.kept.element_size())
-            self.kept = None
-        if not post_forward and not self.hold_encoded:  # its backward is done (or the step over)
-            self.drop_encoded()
-        if not self.plan.sharded:  # nothing gathered: its leaves are whole on every rank
-            return
-        if self.state is UnitState.GATHERING:
-            self._wait()
-            self._release_apart()
-        if self.full_held:
-            self._full_data.untyped_storage().resize_(0)
-            self.stats.hold(-self.nbytes)
-            self.full_held = False
-        self.state = UnitState.SHARDED_POST_FORWARD if self.kept is not None else UnitState.SHARDED
-
-    def views(self) -> list[torch.Tensor]:
-        # Views of `full` (not of `_full_data`): our writes bump only `_full_data`'s version
-        # counter, so tensors saved for backward stay valid. [Note: why storage is freed, not the tensor]
-        return leaf_views(self.plan, self.full)
+    leaves: list[torch.Tensor] = dataclasses.field(default_factory=list)  # the shard leaves loss_fn's caller passed
+    scope: object = None  # the `together` block being read ...
+    scope_units: set[int] = dataclasses.field(default_factory=set)  # ... and its units
+    scope_of: dict[int, object] = dataclasses.field(default_factory=dict)  # unit -> the `together` block it was entered in
 
 
 class RankState:
@@ -359,13 +111,11 @@ class RankState:
         self.deferred: list = []  # (ops.Pending, (*lead, S) output, finish_reduce kwargs) per deferred unit
         # The loss must be the same on every tensor-parallel rank: checked on the first call.
         self.loss_checked = self.groups.tp_size == 1
-        self.leaves: list[torch.Tensor] = []  # this step's shard leaves, as loss_fn's caller passed them
+        self.step = RankStep()  # this step's record, built fresh by begin_step
         self.grad_fix = 1.0  # exact / rounded 1/N of the loss mean's backward ([Note: the loss mean's 1/N])
         self.batch_size = UNKNOWN  # this call's local batch size (batch.py), set by the step
         self.loss_weight: float | None = None  # this rank's weight in the loss mean, when not 1/N (batch.py)
         self.batch_check = None  # batch.EqualCheck of the last step, read at the next one (on an accelerator)
-        self.scope, self.scope_units = None, set()  # the `together` block being read, its units
-        self.scope_of: dict[int, object] = {}  # unit -> the `together` block it was entered in
 
     # -- step lifecycle -------------------------------------------------------------------
     def begin_step(self, leaves: list[torch.Tensor]) -> None:
@@ -378,14 +128,9 @@ class RankState:
             self.stats.reset()
             self.encoded.reset()
         self.schedule.begin_step()
-        self.leaves = list(leaves)
+        self.step = RankStep(leaves=list(leaves))
         for unit in self.units:
-            unit.outputs = None
-            unit.backward_done = False
-            unit.stacked = False
-            unit.pinned = False
-            unit.shards = [plain(leaves[layout.index]) for layout in unit.plan.sharded]
-        self.scope, self.scope_units, self.scope_of = None, set(), {}
+            unit.step = UnitStep(shards=[plain(leaves[layout.index]) for layout in unit.plan.sharded])
 
     def drop_encoded(self) -> None:
         """Forget every unit's encoded send buffer (the shards changed: a new step)."""
@@ -393,12 +138,13 @@ class RankState:
             unit.hold_encoded = False
             unit.drop_encoded()
 
-    def end_forward(self) -> None:
+    def post_forward(self) -> None:
+        """The forward of the step is over: free the units it gathered (reshard_after_forward)."""
         self.schedule.in_forward = False
         if self.config.reshard_after_forward:
             for i in self.schedule.order:
-                if not self.units[i].plan.is_root and not self.units[i].pinned:
-                    self.units[i].reshard(post_forward=True)
+                if not self.units[i].plan.is_root and not self.units[i].step.pinned:
+                    self.units[i].post_forward()
 
     @not_traced(_READ)  # [Note: no whole-step graph] in shardfn/_compile.py
     def leaf(self, i: int) -> torch.Tensor:
@@ -414,79 +160,78 @@ class RankState:
             )
         u = plan.unit_of[i]
         unit = self.units[u]
-        if unit.outputs is None:
+        if unit.step.outputs is None:
             order = unit.plan.sharded + unit.plan.replicated
-            inputs = [self.leaves[l.index] for l in order]
+            inputs = [self.step.leaves[l.index] for l in order]
             if unit.plan.frozen and stacked(inputs[0]):  # vmap over an ensemble
                 with torch.no_grad():
                     outs = GatherUnit.apply(self, u, *inputs)
             elif unit.plan.frozen:  # gathered, but no gradient: no autograd node at all
                 with torch.no_grad():
                     inputs = [plain(x) for x in inputs]
-                    self.enter(u, inputs)
+                    self.pre_forward(u, inputs)
                     outs = unit.views() + inputs[len(unit.plan.sharded):]
             else:
                 outs = GatherUnit.apply(self, u, *inputs)
-            unit.outputs = {l.index: o for l, o in zip(order, outs)}
-        elif unit.state is not UnitState.GATHERED and not unit.stacked:  # released earlier in this forward
+            unit.step.outputs = {l.index: o for l, o in zip(order, outs)}
+        elif unit.state is not UnitState.GATHERED and not unit.step.stacked:  # released earlier in this forward
             unit.finish_gather(in_forward=True)
-            unit.pinned = True  # [Note: units used again later in the forward]
-        return unit.outputs[i]
+            unit.step.pinned = True  # [Note: units used again later in the forward]
+        return unit.step.outputs[i]
 
     def loss_mean(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss: the mean over the data axes (see LossMean)."""
         return LossMean.apply(loss, self)
 
     # -- the schedule ---------------------------------------------------------------------
-    def enter(self, u: int, inputs) -> None:
-        """Forward: unit u is touched for the first time (inside GatherUnit.forward)."""
+    def pre_forward(self, u: int, inputs) -> None:
+        """Forward: unit u is touched for the first time (inside GatherUnit.forward): free the
+        units before it, gather it, prefetch the next."""
         unit = self.units[u]
-        unit.shards = [plain(x) for x in inputs[: len(unit.plan.sharded)]]
         self.schedule.order.append(u)
         scope = current_scope()
-        if scope is None or scope is not self.scope:
-            self.scope, self.scope_units = scope, set()
+        if scope is None or scope is not self.step.scope:
+            self.step.scope, self.step.scope_units = scope, set()
         if scope is not None:
-            unit.pinned = unit.pinned or scope.held
-            self.scope_of[u] = scope
+            unit.step.pinned = unit.step.pinned or scope.held
+            self.step.scope_of[u] = scope
         if self.config.reshard_after_forward and not unit.plan.is_root:
             for i, other in enumerate(self.units):
                 if (other is not unit and not other.plan.is_root and other.state is UnitState.GATHERED
-                        and not other.pinned and i not in self.scope_units):
-                    other.reshard(post_forward=True)
+                        and not other.step.pinned and i not in self.step.scope_units):
+                    other.post_forward()
         if scope is not None:
-            self.scope_units.add(u)
-        unit.finish_gather(in_forward=True)
+            self.step.scope_units.add(u)
+        unit.pre_forward(inputs)
         for nxt in self.schedule.prefetch_after(u):
             self.units[nxt].start_gather()
 
-    def backward_start(self) -> None:
-        """Backward of the loss: re-gather the units whose backward comes first."""
+    def pre_backward(self) -> None:
+        """Backward of the loss (LossMean): re-gather the units whose backward comes first."""
         if self.config.reshard_after_forward:
-            self._bring([i for i in reversed(self.schedule.order) if not self.units[i].backward_done])
+            self._bring([i for i in reversed(self.schedule.order) if not self.units[i].step.backward_done])
 
-    def unit_backward(self, u: int) -> None:
-        """Backward of unit u's gather (its grads are complete): free it (and the frozen units
-        used after it, whose backward ops have run), then bring the next ones."""
-        unit = self.units[u]
-        unit.backward_done = True
-        unit.reshard()
+    def post_backward(self, u: int) -> None:
+        """Backward of unit u's gather (its grads are complete; GatherUnit.backward): free it
+        (and the frozen units used after it, whose backward ops have run), then bring the
+        next ones. Its gradients are then reduced by `reduce_gradients`."""
+        self.units[u].post_backward()
         order = self.schedule.order
         pos = order.index(u) if u in order else 0
         for i in order[pos + 1:]:
             if self.units[i].plan.frozen:
                 self.units[i].reshard()
         if self.config.reshard_after_forward:
-            self._bring([i for i in reversed(order[:pos]) if not self.units[i].backward_done])
+            self._bring([i for i in reversed(order[:pos]) if not self.units[i].step.backward_done])
 
     def _bring(self, upcoming: list[int]) -> None:
         need, ahead = self.schedule.backward_next(upcoming)
-        scopes = {self.scope_of[i] for i in need if i in self.scope_of}
-        need += [i for i in upcoming if i not in need and self.scope_of.get(i) in scopes]  # read together
+        scopes = {self.step.scope_of[i] for i in need if i in self.step.scope_of}
+        need += [i for i in upcoming if i not in need and self.step.scope_of.get(i) in scopes]  # read together
         for i in need:
-            self.units[i].finish_gather()
+            self.units[i].pre_backward()
         for i in ahead:  # after the copy-out of `need`: its all-gather output is gone by then
-            self.units[i].start_gather(into_buffer=False)  # [Note: units used again later in the forward]
+            self.units[i].prefetch_backward()
 
     # -- gradients ------------------------------------------------------------------------
     def reduce_gradients(self, u: int, grads, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:

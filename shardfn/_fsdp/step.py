@@ -28,7 +28,8 @@ from .config import Config, MixedPrecision, make_config
 from .plan import Plan, build_plan
 from .batch import local_batch_size
 from .reduce import Stats
-from .runtime import RankState, StepMode
+from .runtime import RankState
+from .schedule import StepMode
 from .unshard import iter_unshard
 from .view import make_view
 
@@ -344,7 +345,7 @@ class Shard:
         except RuntimeError as e:  # torch.utils.checkpoint in loss_fn: point to sf.remat
             raise (checkpoint_error(e, "shard: loss_fn") or e) from e
         finally:
-            state.end_forward()
+            state.post_forward()
         loss, aux = (out if self.config.has_aux else (out, None))
         if self.config.has_aux and not (isinstance(out, tuple) and len(out) == 2):
             raise ShardingError("shard(has_aux=True): loss_fn must return a pair (loss, aux)")
