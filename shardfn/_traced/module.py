@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import torch
 
-from .. import _tree
-
 __all__ = ["traced_apply"]
 
 
-def _name(path) -> str:
-    return ".".join(str(key) for key in path)
+def _named(tree, prefix: str, out: dict) -> dict:
+    """Dotted module names -> leaves, by plain recursion over dicts and lists (dynamo
+    traces it; optree's polyfills fail on some dicts: [Note: trees in the graph] in step.py)."""
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        out[prefix] = tree
+        return out
+    for key, value in items:
+        _named(value, f"{prefix}.{key}" if prefix else str(key), out)
+    return out
 
 
 def traced_apply(model: torch.nn.Module):
@@ -38,8 +47,6 @@ def traced_apply(model: torch.nn.Module):
         raise TypeError(f"sf.traced_apply: expected an nn.Module, got {type(model).__name__}")
 
     def apply(params, *args, **kwargs):
-        paths, leaves, _ = _tree.flatten_with_paths(params)
-        bound = {_name(p): x for p, x in zip(paths, leaves)}
-        return torch.func.functional_call(model, bound, args, kwargs, strict=False)
+        return torch.func.functional_call(model, _named(params, "", {}), args, kwargs, strict=False)
 
     return apply
