@@ -118,7 +118,7 @@ class TracedStep:
         with _tracing_config():
             try:
                 out = fn(leaves, state_leaves, _cast_batch(self.step.config, batch), n)
-            except torch._dynamo.exc.Unsupported as e:
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as e:
                 raise ShardingError(_untraceable(e)) from e
         new, new_state = _tree.unflatten(treedef, out[0]), _tree.unflatten(state_def, out[1])
         return (new, new_state) + tuple(out[2:])
@@ -172,7 +172,11 @@ def _cast_batch(cfg, batch):
 
 
 def _untraceable(e: Exception) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    """The message for a step dynamo could not capture whole (`Unsupported`: a graph
+    break under fullgraph) or captured but could not compile (`BackendCompilerFailed`:
+    e.g. an `.item()` whose unbacked scalar AOTAutograd's traced backward cannot take)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    first = "; ".join(lines[:2]) if lines else type(e).__name__
     return (
         f"sf.jit: the train step cannot be traced as one graph: {first}\n"
         f"A traced loss_fn must be one graph: no .item() / float(tensor) / print of a tensor, no Python "
