@@ -197,6 +197,61 @@ def test_traced_gpt_matches_eager_one_graph():
         assert traced["stats"]["all_gather_bytes"] <= eager["stats"]["all_gather_bytes"]
 
 
+def _mixed_precision_and_whole_leaves():
+    """bf16 gathers and compute, fp32 reductions, a 0-dim leaf (kept whole: its gradient is
+    an all-reduce) and has_aux, traced against eager."""
+    mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
+    params = mlp_params(torch.Generator().manual_seed(0), [16, 32, 32, 4])
+    params["scale"] = torch.tensor(1.5)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        h = x
+        for i, layer in enumerate(p["layers"]):
+            h = h @ layer["w"] + layer["b"]
+            if i + 1 < len(p["layers"]):
+                h = torch.tanh(h)
+        err = (p["scale"] * h - y).float()
+        return (err ** 2).mean(), err.abs().max().detach()
+
+    batch = _mlp_batches(mesh.rank, 1, 16, 4)[0]
+    mp = sf.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for mode in ("eager", "traced"):
+        step = sf.shard(loss_fn, mesh, mixed_precision=mp, has_aux=True)
+        shards = step.shard_params(params)
+        opt = sf.optim.adamw(1e-2)
+        train = (sf.train_step(step, opt, has_aux=True) if mode == "eager"
+                 else sf.jit(step, opt, backend="aot_eager"))
+        state = opt.init(shards)
+        losses, auxes = [], []
+        for _ in range(5):
+            shards, state, loss, aux = train(shards, state, batch)
+            losses.append(float(loss))
+            auxes.append(float(aux))
+        out[mode] = {"losses": losses, "aux": auxes, "shards": shards,
+                     "stats": step.stats() if mode == "eager" else train.stats()}
+    out["param_diff"] = _max_diff(out["eager"]["shards"], out["traced"]["shards"])
+    out["scale_moved"] = float(out["traced"]["shards"]["scale"]) != 1.5
+    for mode in ("eager", "traced"):
+        del out[mode]["shards"]
+    return out
+
+
+@pytest.mark.slow
+def test_traced_mixed_precision_whole_leaf_and_aux_match_eager():
+    for out in run_multiprocess(_mixed_precision_and_whole_leaves, 2, timeout=TIMEOUT):
+        eager, traced = out["eager"], out["traced"]
+        assert max(abs(a - b) for a, b in zip(eager["losses"], traced["losses"])) <= 1e-6, (eager, traced)
+        assert max(abs(a - b) for a, b in zip(eager["aux"], traced["aux"])) <= 1e-6
+        assert out["param_diff"] <= 5e-5 and out["scale_moved"]
+        # bf16 gathers, fp32 reduce-scatters, the scalar's fp32 all-reduce + the loss all-reduce
+        for key in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes"):
+            assert traced["stats"][key] <= eager["stats"][key], (key, eager["stats"], traced["stats"])
+        assert traced["stats"]["all_reduce_bytes"] == eager["stats"]["all_reduce_bytes"] == 4 + 32
+        assert traced["stats"]["reduce_scatter_bytes"] == eager["stats"]["reduce_scatter_bytes"]
+
+
 def _branch_on_value():
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
 

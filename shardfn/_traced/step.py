@@ -239,11 +239,8 @@ def _gather_params(static: _Static, plan, leaves: list[torch.Tensor]) -> list[to
             gathered = GatherFlat.apply(buf, unit.k, name, param_dtype, reduce_dtype)
             for layout, value in zip(unit.sharded, _unpack(unit, gathered)):
                 full[layout.index] = value
-        for layout in unit.replicated:
-            x = leaves[layout.index]
-            if mp is not None and mp.param_dtype is not None and x.is_floating_point():
-                x = x.to(mp.param_dtype)
-            full[layout.index] = x
+        for layout in unit.replicated:  # whole leaves keep their dtype, as in eager
+            full[layout.index] = leaves[layout.index]
     return full
 
 
