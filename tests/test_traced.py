@@ -380,3 +380,17 @@ def test_traced_apply_matches_the_module():
                               ["transformer"]["wte"]["weight"].abs().sum()),
                         float(torch.autograd.grad(model(idx, idx), model.transformer.wte.weight)[0].abs().sum()),
                         rel_tol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_benchmark_method_shardfn_traced_tiny(tmp_path):
+    """benchmarks/fsdp_vs_ddp.py's `shardfn-traced` runs (tiny, inductor) and agrees with DDP
+    (no time is asserted)."""
+    from benchmarks import fsdp_vs_ddp
+
+    out = fsdp_vs_ddp.main(["--tiny", "--models", "gpt", "--world-sizes", "2", "--methods", "shardfn-traced", "ddp",
+                            "--out", str(tmp_path / "traced")])
+    (row,) = out["results"]
+    assert not row["unsupported"]
+    assert row["max_loss_diff_vs_ddp"]["shardfn-traced"] < 1e-4

@@ -41,6 +41,7 @@ from ..optim.base import apply_updates
 from .checks import check_traceable
 from .collectives import GatherFlat, all_reduce_sum
 from .schedule import SchedulePass, TrafficRecord, schedule_units
+from .trees import fill, leaves_of, list_state, skeleton
 
 __all__ = ["jit", "TracedStep"]
 
@@ -112,7 +113,8 @@ class TracedStep:
         if fn is None:
             check_traceable(self.step, plan)
             fn = self._compiled[id(plan)] = self._compile(plan)
-        leaves, treedef = _tree.flatten(shards)
+        paths, leaves, treedef = _tree.flatten_with_paths(shards)
+        self.step._check_shards(plan, paths, leaves, self.step.mesh.group(self.step.config.shard_axes).index)
         state_leaves, state_def = _tree.flatten(opt_state)
         n = _batch_size(batch)
         with _tracing_config():
@@ -129,8 +131,10 @@ class TracedStep:
         return tuple(again and not unit.is_root for unit in plan.units if unit.sharded)
 
     def _compile(self, plan):
-        body = functools.partial(_train, _Static.of(self.step), self.step.loss_fn, self.opt, plan,
-                                 _skeleton(plan.treedef), _skeleton(_list_state(self.opt, plan)))
+        trees = skeleton(plan.treedef), skeleton(list_state(self.opt, plan))
+        for tree in trees:  # a container `fill` cannot rebuild: a SpecError here, not inside the trace
+            fill(tree, [None] * len(_tree.flatten(tree)[0]))
+        body = functools.partial(_train, _Static.of(self.step), self.step.loss_fn, self.opt, plan, *trees)
         flags = self._reshard_flags(plan)
         if self.backend == "inductor":
             options = dict(self.options, post_grad_custom_pre_pass=SchedulePass(flags, self.record))
@@ -278,68 +282,12 @@ def _loss_mean(static: _Static, loss: torch.Tensor, n: int) -> torch.Tensor:
     return (total[0] / k).to(loss.dtype)
 
 
-def _skeleton(treedef):
-    """The params tree with each leaf replaced by its index (the same containers)."""
-    return _tree.unflatten(treedef, list(range(treedef.num_leaves)))
-
-
-def _fill(skeleton, leaves: list):
-    """[Note: trees in the graph] `skeleton` with leaf i replaced by `leaves[i]`."""
-    if skeleton is None:
-        return None
-    if isinstance(skeleton, int):
-        return leaves[skeleton]
-    if isinstance(skeleton, dict):
-        return {key: _fill(value, leaves) for key, value in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [_fill(value, leaves) for value in skeleton]
-    if isinstance(skeleton, tuple) and hasattr(skeleton, "_fields"):
-        return type(skeleton)(*(_fill(value, leaves) for value in skeleton))
-    if isinstance(skeleton, tuple):
-        return tuple(_fill(value, leaves) for value in skeleton)
-    raise SpecError(f"sf.jit: params hold a {type(skeleton).__name__} node; the traced step rebuilds dicts, lists "
-                    f"and tuples.\nFix: use those containers, or train eagerly with sf.train_step(step, opt).")
-
-
-def _leaves(tree, out: list) -> list:
-    """optree's leaf order (dicts by sorted key, None an empty node) by plain recursion."""
-    if tree is None:
-        return out
-    if isinstance(tree, dict):
-        for key in sorted(tree):
-            _leaves(tree[key], out)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            _leaves(value, out)
-    else:
-        out.append(tree)
-    return out
-
-
-def _list_state(opt, plan):
-    """The tree structure of `opt`'s state over a *list* of the shard leaves: [Note: trees
-    in the graph]."""
-    like = [torch.empty(layout.shape if not layout.sharded else (0,) + layout.shape[1:], dtype=layout.dtype,
-                        device="meta") for layout in plan.leaves]
-    return _tree.flatten(opt.init(like))[1]
-
-
-# [Note: trees in the graph]
-# Dynamo traces optree through polyfills, which fail on some dicts ("SourcelessBuilder does
-# not know how to wrap optree.registry.DictMetaData", seen on sf.functional's GPT tree). So
-# trees cross the graph's boundary as flat leaf lists (flattened and rebuilt outside), the
-# params tree is rebuilt inside from a skeleton of plain containers (`_fill`), and the
-# optimizer runs on a *list* of leaves, whose state has the same leaves in the same order as
-# the state of the user's tree (optree flattens a dict in key order, a list in order); it is
-# rebuilt inside with the list structure and flattened back.
-
-
 def _train(static: _Static, loss_fn, opt, plan, skeleton, state_skeleton, leaves: list, state_leaves: list, batch,
            n: int):
     """The traced body: [Note: the traced step]."""
     live = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
     full = _gather_params(static, plan, live)
-    out = loss_fn(_fill(skeleton, full), batch)
+    out = loss_fn(fill(skeleton, full), batch)
     loss, aux = out if static.has_aux else (out, None)
     k = static.data_size
     wanted = [i for i, x in enumerate(live) if x.requires_grad]
@@ -354,10 +302,10 @@ def _train(static: _Static, loss_fn, opt, plan, skeleton, state_skeleton, leaves
     if mp is not None and mp.output_dtype is not None:
         mean = mean.to(mp.output_dtype)
     with torch.no_grad():
-        opt_state = _fill(state_skeleton, state_leaves)
+        opt_state = fill(state_skeleton, state_leaves)
         updates, opt_state = opt.update(grads, opt_state, list(leaves))
         new = apply_updates(list(leaves), updates)
-    new_state = _leaves(opt_state, [])
+    new_state = leaves_of(opt_state, [])
     if static.has_aux:
         return new, new_state, mean, aux
     return new, new_state, mean
