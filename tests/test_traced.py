@@ -255,6 +255,27 @@ def test_traced_mixed_precision_whole_leaf_and_aux_match_eager():
         assert traced["stats"]["reduce_scatter_bytes"] == eager["stats"]["reduce_scatter_bytes"]
 
 
+def _unequal_batches():
+    mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
+    step = sf.shard(mlp_loss, mesh)
+    shards = step.shard_params(mlp_params(torch.Generator().manual_seed(0), [4, 4]))
+    opt = sf.optim.sgd(0.1)
+    rows = 4 if mesh.rank == 0 else 2
+    try:
+        sf.jit(step, opt, backend="aot_eager")(shards, opt.init(shards), (torch.randn(rows, 4), torch.randn(rows, 4)))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_unequal_batches_fail_in_the_graph():
+    """batch_weighting='equal' (the default): eager's check of equal local batches is an
+    assert inside the graph, on every rank."""
+    for message in run_multiprocess(_unequal_batches, 2, timeout=TIMEOUT):
+        assert message is not None and "local batches differ in size" in message, message
+
+
 def _branch_on_value():
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
 

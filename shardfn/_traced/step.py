@@ -37,6 +37,7 @@ import torch
 
 from .. import _tree
 from .._errors import ShardingError, SpecError
+from .._fsdp.plan import pack_shards
 from ..optim.base import apply_updates
 from .checks import check_traceable
 from .collectives import GatherFlat, all_reduce_sum
@@ -213,7 +214,9 @@ class _Static(NamedTuple):
 
 
 def _unpack(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
-    """(k * S,) rank-major gathered buffer -> each sharded leaf's full tensor."""
+    """(k * S,) rank-major gathered buffer -> each sharded leaf's full tensor, by narrow +
+    reshape (differentiable: its transpose is `plan.pack_grads`'s layout), where eager
+    copies into a leaf-major buffer it owns (`plan.copy_out`)."""
     rows = gathered.view(unit.k, unit.shard_numel)
     out = []
     for layout in unit.sharded:
@@ -223,15 +226,6 @@ def _unpack(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _pack(unit, shards: list[torch.Tensor]) -> torch.Tensor:
-    pieces = []
-    for layout, shard in zip(unit.sharded, shards):
-        flat = shard.reshape(-1)
-        pad = layout.chunk_numel - flat.numel()
-        pieces.append(torch.nn.functional.pad(flat, (0, pad)) if pad else flat)
-    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-
-
 def _gather_params(static: _Static, plan, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     mp, name = static.mp, static.shard_name
     full: list = [None] * len(leaves)
@@ -239,7 +233,8 @@ def _gather_params(static: _Static, plan, leaves: list[torch.Tensor]) -> list[to
         if unit.sharded:
             param_dtype = (mp.param_dtype if mp is not None else None) or unit.dtype
             reduce_dtype = (mp.reduce_dtype if mp is not None else None) or param_dtype
-            buf = _pack(unit, [leaves[layout.index] for layout in unit.sharded])
+            shards = [leaves[layout.index] for layout in unit.sharded]
+            buf = pack_shards(unit, shards, shards[0].dtype, shards[0].device)  # eager's copy-in (pad + cat)
             gathered = GatherFlat.apply(buf, unit.k, name, param_dtype, reduce_dtype)
             for layout, value in zip(unit.sharded, _unpack(unit, gathered)):
                 full[layout.index] = value
@@ -292,10 +287,8 @@ def _train(static: _Static, loss_fn, opt, plan, skeleton, state_skeleton, leaves
     k = static.data_size
     wanted = [i for i, x in enumerate(live) if x.requires_grad]
     got = torch.autograd.grad(loss * (1.0 / k), [live[i] for i in wanted], allow_unused=True)
-    grads = [torch.zeros_like(x) for x in leaves]
-    for i, g in zip(wanted, got):
-        if g is not None:
-            grads[i] = g
+    by_leaf = dict(zip(wanted, got))
+    grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(x) for i, x in enumerate(leaves)]
     _reduce_replicated(static, plan, leaves, grads)
     mean = _loss_mean(static, loss, n)
     mp = static.mp
