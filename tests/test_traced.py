@@ -187,8 +187,11 @@ def _gpt_parity(backend: str, traced_steps: int):
 
 
 @pytest.mark.slow
-def test_traced_gpt_matches_eager_one_graph():
-    for out in run_multiprocess(_gpt_parity, 2, "aot_eager", 2 * STEPS, timeout=TIMEOUT):
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_traced_gpt_matches_eager_one_graph(backend):
+    """aot_eager: bit-equal in practice; inductor: within the bounds (measured 4.8e-7 and
+    1.2e-5 on this GPT; a GPT 4L d256 drifts further, docs/fsdp_design.md "Traced step")."""
+    for out in run_multiprocess(_gpt_parity, 2, backend, 2 * STEPS, timeout=TIMEOUT):
         eager, traced = out["eager"], out["traced"]
         assert max(abs(a - b) for a, b in zip(eager["losses"], traced["losses"])) <= 1e-6, (eager, traced)
         assert out["param_diff"] <= 5e-5
