@@ -21,7 +21,9 @@ Methods (`METHODS`):
                     (MixedPrecisionPolicy(param_dtype=bf16): bf16 all-gather and compute)
   --compile adds:   fsdp2-compiled (block.compile() on each block, then fully_shard; fused AdamW) and
                     shardfn-compiled (sf.functional(model, compile=True); fused AdamW) and
-                    shardfn-compiled-step (torch.compile(sf.train_step(...)) of the plain model)
+                    shardfn-compiled-step (torch.compile(sf.train_step(...)) of the plain model) and
+                    shardfn-traced (sf.jit: forward, backward, reduce-scatters and AdamW in one inductor
+                    graph; the model applied with sf.traced_apply; pure AdamW)
 
     python -m benchmarks.fsdp_vs_ddp                        # 3 models x N = 1, 2, 4 (tens of minutes)
     python -m benchmarks.fsdp_vs_ddp --tiny                 # seconds; what the test suite runs
@@ -205,6 +207,28 @@ def _shardfn_jaxloop(spec, mesh, batch):
     return Trainer(one, nbytes, shard_step=step)
 
 
+def _shardfn_traced(spec, mesh, batch):
+    """sf.jit: the whole step in one graph (docs/fsdp_design.md, "Traced step")."""
+    model = build_model(spec)
+    _, params = sf.functional(model)
+    apply = sf.traced_apply(model)
+    step = sf.shard(lambda p, b: apply(p, *b), mesh)
+    opt = sf.optim.adamw(LR, weight_decay=0.0)
+    train = sf.jit(step, opt)
+    state = {"shards": step.shard_params(params)}
+    state["opt"] = opt.init(state["shards"])
+
+    def one():
+        state["shards"], state["opt"], loss = train(state["shards"], state["opt"], batch)
+        return float(loss)
+
+    def nbytes():  # shards + grads (same size as shards) + optimizer state
+        leaves = torch.utils._pytree.tree_leaves
+        return 2 * tensor_bytes(leaves(state["shards"])) + tensor_bytes(leaves(state["opt"]))
+
+    return Trainer(one, nbytes)
+
+
 def _fsdp2(spec, mesh, batch, fused=False, compile_=False, param_dtype=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -238,6 +262,7 @@ LOOPS = {"shardfn-jaxloop": _shardfn_jaxloop}  # not in the default run: --metho
 COMPILED = {
     "shardfn-compiled": lambda s, m, b: _shardfn(s, m, b, fused=True, compile_=True),
     "shardfn-compiled-step": lambda s, m, b: _shardfn(s, m, b, fused=True, compile_step=True),
+    "shardfn-traced": _shardfn_traced,
     "fsdp2-compiled": lambda s, m, b: _fsdp2(s, m, b, fused=True, compile_=True),
 }
 # Compressed communication (MixedPrecision.all_gather_dtype / reduce_scatter_dtype): fp32

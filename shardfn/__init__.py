@@ -54,6 +54,8 @@ from ._shard_map import shard_map as shard_map
 from ._spec import P as P
 from ._spec import PartitionSpec as PartitionSpec
 from ._visualize import visualize_sharding as visualize_sharding
+from ._traced import jit as jit
+from ._traced import traced_apply as traced_apply
 from .optim import train_step as train_step
 
 __version__ = "0.1.0.dev0"
@@ -86,6 +88,7 @@ __all__ = [
     "hf",
     "init",
     "init_mesh",
+    "jit",
     "local_mesh",
     "measure_memory",
     "nn",
@@ -108,6 +111,7 @@ __all__ = [
     "stack_layers",
     "tag",
     "testing",
+    "traced_apply",
     "train_step",
     "unstack_layers",
     "visualize_sharding",

@@ -1,0 +1,304 @@
+"""`sf.jit(step, opt)`: the whole train step of a `shard` step as one torch.compile graph.
+
+[Note: the traced step]
+`sf.train_step(step, opt)` runs the unit schedule eagerly (Python state, storage resizes,
+process-group calls: docs/fsdp_design.md "Compiling"). The traced step is a second,
+pure description of the same step, written for dynamo:
+
+    (shards, opt_state, batch) -> (new shards, new opt_state, loss)
+
+- each unit's shard leaves are packed (pad + cat, `plan.py`'s layout) and all-gathered
+  with `GatherFlat` (a functional collective whose transpose is the reduce-scatter,
+  [Note: traceable collectives]), then unpacked to full leaves with narrow + reshape;
+- `loss_fn` runs on the full leaves; the gradient is `torch.autograd.grad` of the local
+  loss times 1/N (dynamo traces it with `trace_autograd_ops`): autograd composes the
+  unpack, the reduce-scatter and the pack into the shard gradients;
+- whole (replicated) leaves' gradients are all-reduced, one flat all-reduce per unit;
+- the loss mean is the all-reduce the eager step issues ([Note: the batch size rides on
+  the loss all-reduce] in `_fsdp/batch.py`), with its equal-batch check as an in-graph
+  assert;
+- `opt.update` + `apply_updates` run in the same graph; the step count is the state's
+  0-dim tensor, so no Python scalar changes between steps and nothing recompiles;
+- the unit schedule (gather just in time, re-gather in the backward for
+  reshard-after-forward) is a pass over the captured graph ([Note: the schedule is a
+  graph pass] in schedule.py).
+
+It shares the plan (units, flat buffers, padding) with the eager runtime and nothing
+else: the eager runtime is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import NamedTuple
+
+import torch
+
+from .. import _tree
+from .._errors import ShardingError, SpecError
+from .._fsdp.plan import pack_shards
+from ..optim.base import apply_updates
+from .checks import check_traceable
+from .collectives import GatherFlat, all_reduce_sum
+from .schedule import SchedulePass, TrafficRecord, schedule_units
+from .trees import fill, leaves_of, list_state, skeleton
+
+__all__ = ["jit", "TracedStep"]
+
+_BACKENDS = ("inductor", "aot_eager")
+
+
+def jit(step, opt, *, backend: str = "inductor", options: dict | None = None) -> "TracedStep":
+    """Trace a `shard` step's whole train step (forward, backward, reduce-scatters,
+    optimizer update) into one graph, compiled with `torch.compile(fullgraph=True)`.
+
+    The result is called like `sf.train_step(step, opt)`'s:
+    `shards, opt_state, loss = train(shards, opt_state, batch)` (with `has_aux`:
+    `shards, opt_state, loss, aux`), on every rank of a distributed mesh. The first call
+    traces and compiles (seconds to a minute); later calls with the same shapes run the
+    graph.
+
+    Args:
+      step: the result of `sf.shard(loss_fn, mesh, ...)`, after `step.shard_params(...)`.
+        `loss_fn` must be traceable by dynamo: no `.item()`, no Python branch on a tensor's
+        value (use `torch.where`), no `sf.functional` apply function (use
+        `sf.traced_apply(model)`).
+      opt: a `sf.optim` transformation (e.g. `sf.optim.adamw(1e-3)`).
+      backend: "inductor" (fused kernels) or "aot_eager" (the same graph run op by op:
+        compiles in a fraction of the time; for tests and debugging).
+      options: extra inductor options (`torch.compile(options=...)`).
+
+    Returns:
+      A `TracedStep`; `.stats()` gives the compiled graph's collective bytes (the counts
+      `step.stats()` gives for the eager step).
+
+    Raises:
+      SpecError: an option the traced step does not support (naming the eager fallback),
+        or the simulated mesh.
+      ShardingError: `loss_fn` cannot be traced as one graph (the first call; the message
+        gives dynamo's reason).
+
+    Example (on 2 processes; see docs/howto/compile.md):
+      >>> train = sf.jit(step, sf.optim.adamw(1e-3))          # doctest: +SKIP
+      >>> shards, state, loss = train(shards, state, batch)   # doctest: +SKIP
+    """
+    if not (hasattr(step, "config") and hasattr(step, "_plan_for") and hasattr(step, "loss_fn")):
+        raise SpecError(
+            f"sf.jit: expected the result of sf.shard(loss_fn, mesh, ...), got {type(step).__name__}.\n"
+            f"Fix: step = sf.shard(loss_fn, mesh); train = sf.jit(step, opt)."
+        )
+    if not (isinstance(opt, tuple) and len(opt) == 2 and all(callable(f) for f in opt)):
+        raise SpecError(f"sf.jit: opt must be a sf.optim GradientTransformation (init, update), got {opt!r:.60}")
+    if backend not in _BACKENDS:
+        raise SpecError(f"sf.jit: backend must be one of {_BACKENDS}, got {backend!r}")
+    return TracedStep(step, opt, backend, dict(options or {}))
+
+
+class TracedStep:
+    """The compiled train step of `sf.jit` (one compiled function per shard layout)."""
+
+    def __init__(self, step, opt, backend: str, options: dict):
+        self.step, self.opt, self.backend, self.options = step, opt, backend, options
+        self.record = TrafficRecord()
+        self._compiled: dict[int, object] = {}
+
+    def stats(self) -> dict[str, int]:
+        """Collective bytes and count of one call of the compiled graph (counted in the graph
+        after the schedule pass; `step.stats()`'s keys, without `peak_gathered_bytes`)."""
+        return self.record.stats()
+
+    def __call__(self, shards, opt_state, batch):
+        plan = self.step._plan_for(shards)
+        fn = self._compiled.get(id(plan))
+        if fn is None:
+            check_traceable(self.step, plan)
+            fn = self._compiled[id(plan)] = self._compile(plan)
+        paths, leaves, treedef = _tree.flatten_with_paths(shards)
+        self.step._check_shards(plan, paths, leaves, self.step.mesh.group(self.step.config.shard_axes).index)
+        state_leaves, state_def = _tree.flatten(opt_state)
+        n = _batch_size(batch)
+        with _tracing_config():
+            try:
+                out = fn(leaves, state_leaves, _cast_batch(self.step.config, batch), n)
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as e:
+                raise ShardingError(_untraceable(e)) from e
+        new, new_state = _tree.unflatten(treedef, out[0]), _tree.unflatten(state_def, out[1])
+        return (new, new_state) + tuple(out[2:])
+
+    # -- building the graph ---------------------------------------------------------------
+    def _reshard_flags(self, plan) -> tuple[bool, ...]:
+        again = self.step.config.reshard_after_forward
+        return tuple(again and not unit.is_root for unit in plan.units if unit.sharded)
+
+    def _compile(self, plan):
+        trees = skeleton(plan.treedef), skeleton(list_state(self.opt, plan))
+        for tree in trees:  # a container `fill` cannot rebuild: a SpecError here, not inside the trace
+            fill(tree, [None] * len(_tree.flatten(tree)[0]))
+        body = functools.partial(_train, _Static.of(self.step), self.step.loss_fn, self.opt, plan, *trees)
+        flags = self._reshard_flags(plan)
+        if self.backend == "inductor":
+            options = dict(self.options, post_grad_custom_pre_pass=SchedulePass(flags, self.record))
+            options.setdefault("fx_graph_cache", False)  # the pass must run: it counts the traffic
+            return torch.compile(body, fullgraph=True, backend="inductor", options=options)
+        from torch._dynamo.backends.common import aot_autograd
+
+        def compiler(gm, example_inputs):
+            schedule_units(gm.graph, flags, self.record)
+            gm.recompile()
+            return gm
+
+        return torch.compile(body, fullgraph=True, backend=aot_autograd(fw_compiler=compiler))
+
+
+@contextlib.contextmanager
+def _tracing_config():
+    """dynamo traces `torch.autograd.grad` only when asked; the AOT cache would skip the pass."""
+    import torch._dynamo
+    import torch._functorch.config
+
+    with torch._dynamo.config.patch(trace_autograd_ops=True), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+def _batch_size(batch) -> int:
+    """The leading dim the batch's tensor leaves share (0-dim leaves aside), else -1."""
+    sizes = {int(x.shape[0]) for x in _tree.flatten(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0}
+    return sizes.pop() if len(sizes) == 1 else -1
+
+
+def _cast_batch(cfg, batch):
+    mp = cfg.mixed_precision
+    if mp is None or mp.param_dtype is None or not mp.cast_inputs:
+        return batch
+    return _tree.tree_map(lambda x: x.to(mp.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                          else x, batch)
+
+
+def _untraceable(e: Exception) -> str:
+    """The message for a step dynamo could not capture whole (`Unsupported`: a graph
+    break under fullgraph) or captured but could not compile (`BackendCompilerFailed`:
+    e.g. an `.item()` whose unbacked scalar AOTAutograd's traced backward cannot take)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    first = "; ".join(lines[:2]) if lines else type(e).__name__
+    return (
+        f"sf.jit: the train step cannot be traced as one graph: {first}\n"
+        f"A traced loss_fn must be one graph: no .item() / float(tensor) / print of a tensor, no Python "
+        f"if/while on a tensor's value (use torch.where), no sf.functional apply function (use "
+        f"sf.traced_apply(model)).\nFix: rewrite that part of loss_fn, or train eagerly with "
+        f"sf.train_step(step, opt)."
+    )
+
+
+# -- the traced function --------------------------------------------------------------------
+
+
+class _Static(NamedTuple):
+    """What the traced body reads of the step and mesh: plain constants (dynamo would
+    otherwise trace the mesh's lookups)."""
+
+    has_aux: bool
+    mp: object  # MixedPrecision or None
+    shard_name: str  # registered name of the shard group's process group
+    data_name: str
+    data_size: int
+    weighting: str
+
+    @classmethod
+    def of(cls, step) -> "_Static":
+        cfg, mesh = step.config, step.mesh
+        data = mesh.group(cfg.data_axes)
+        return cls(cfg.has_aux, cfg.mixed_precision, mesh.group(cfg.shard_axes).pg.group_name,
+                   data.pg.group_name, data.size, cfg.batch_weighting)
+
+
+def _unpack(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
+    """(k * S,) rank-major gathered buffer -> each sharded leaf's full tensor, by narrow +
+    reshape (differentiable: its transpose is `plan.pack_grads`'s layout), where eager
+    copies into a leaf-major buffer it owns (`plan.copy_out`)."""
+    rows = gathered.view(unit.k, unit.shard_numel)
+    out = []
+    for layout in unit.sharded:
+        region = rows.narrow(1, layout.offset, layout.chunk_numel)  # (k, c * row)
+        full = region.reshape((unit.k * layout.chunk,) + layout.shape[1:])
+        out.append(full.narrow(0, 0, layout.rows))
+    return out
+
+
+def _gather_params(static: _Static, plan, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    mp, name = static.mp, static.shard_name
+    full: list = [None] * len(leaves)
+    for unit in plan.units:
+        if unit.sharded:
+            param_dtype = (mp.param_dtype if mp is not None else None) or unit.dtype
+            reduce_dtype = (mp.reduce_dtype if mp is not None else None) or param_dtype
+            shards = [leaves[layout.index] for layout in unit.sharded]
+            buf = pack_shards(unit, shards, shards[0].dtype, shards[0].device)  # eager's copy-in (pad + cat)
+            gathered = GatherFlat.apply(buf, unit.k, name, param_dtype, reduce_dtype)
+            for layout, value in zip(unit.sharded, _unpack(unit, gathered)):
+                full[layout.index] = value
+        for layout in unit.replicated:  # whole leaves keep their dtype, as in eager
+            full[layout.index] = leaves[layout.index]
+    return full
+
+
+def _reduce_replicated(static: _Static, plan, leaves, grads: list) -> None:
+    """Whole leaves' gradients: one flat all-reduce (sum) per unit, in place in `grads`."""
+    mp, name = static.mp, static.shard_name
+    for unit in plan.units:
+        floats = [layout.index for layout in unit.replicated if layout.dtype.is_floating_point]
+        if not floats:
+            continue
+        dtype = (mp.reduce_dtype if mp is not None else None) or functools.reduce(
+            torch.promote_types, (grads[i].dtype for i in floats), torch.float32)
+        flat = all_reduce_sum(torch.cat([grads[i].reshape(-1).to(dtype) for i in floats]), name)
+        start = 0
+        for i in floats:
+            n = grads[i].numel()
+            grads[i] = flat.narrow(0, start, n).reshape(grads[i].shape).to(leaves[i].dtype)
+            start += n
+
+
+def _loss_mean(static: _Static, loss: torch.Tensor, n: int) -> torch.Tensor:
+    """The eager step's loss all-reduce, same payload ([Note: the batch size rides on the loss
+    all-reduce]); the equal-batch check is an in-graph assert."""
+    k, name = static.data_size, static.data_name
+    if static.weighting == "mean_of_means" or k == 1:
+        return all_reduce_sum(loss.detach(), name) / k
+    meta = [float(n), float(n * n), 0.0] if n >= 0 else [0.0, 0.0, 1.0]
+    packed = torch.cat([loss.detach().reshape(1).to(torch.float64),
+                        torch.tensor(meta, dtype=torch.float64, device=loss.device)])
+    total = all_reduce_sum(packed, name)
+    sum_n, sum_nn, unknown = total[1], total[2], total[3]
+    equal = (unknown == k) | ((unknown == 0) & (k * sum_nn == sum_n * sum_n))
+    torch._assert_async(equal, "sf.jit: the local batches differ in size across the data axes; give every rank "
+                               "the same number of examples, or use batch_weighting='mean_of_means'")
+    return (total[0] / k).to(loss.dtype)
+
+
+def _train(static: _Static, loss_fn, opt, plan, skeleton, state_skeleton, leaves: list, state_leaves: list, batch,
+           n: int):
+    """The traced body: [Note: the traced step]."""
+    live = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
+    full = _gather_params(static, plan, live)
+    out = loss_fn(fill(skeleton, full), batch)
+    loss, aux = out if static.has_aux else (out, None)
+    k = static.data_size
+    wanted = [i for i, x in enumerate(live) if x.requires_grad]
+    got = torch.autograd.grad(loss * (1.0 / k), [live[i] for i in wanted], allow_unused=True)
+    by_leaf = dict(zip(wanted, got))
+    grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(x) for i, x in enumerate(leaves)]
+    _reduce_replicated(static, plan, leaves, grads)
+    mean = _loss_mean(static, loss, n)
+    mp = static.mp
+    if mp is not None and mp.output_dtype is not None:
+        mean = mean.to(mp.output_dtype)
+    with torch.no_grad():
+        opt_state = fill(state_skeleton, state_leaves)
+        updates, opt_state = opt.update(grads, opt_state, list(leaves))
+        new = apply_updates(list(leaves), updates)
+    new_state = leaves_of(opt_state, [])
+    if static.has_aux:
+        return new, new_state, mean, aux
+    return new, new_state, mean
