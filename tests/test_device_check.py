@@ -18,6 +18,6 @@ def test_device_check_dry_run_passes_every_check(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     passes = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("PASS ")]
-    assert {"nccl-1rank", "collectives", "compressed", "compressed-2rank", "compiled"} <= set(passes), out[-4000:]
+    assert {"nccl-1rank", "collectives", "compressed", "compressed-2rank", "compiled", "traced"} <= set(passes), out[-4000:]
     assert "FAIL" not in proc.stdout
     assert (tmp_path / "device_check.json").exists()
