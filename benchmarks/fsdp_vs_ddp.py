@@ -333,6 +333,7 @@ def rank_main(model: str, world: int, methods: list, reps: int, steps: int, warm
         "unsupported": unsupported,
         "state_bytes": {m: t.state_bytes() for m, t in made.items()},
         "stats": sf_step.stats() if sf_step is not None else None,
+        "stats_by_method": {m: t.shard_step.stats() for m, t in made.items() if t.shard_step is not None},
         "profiles": profiles,
         "threads": _common.thread_names(),
     }
@@ -372,6 +373,7 @@ def run(model: str, world: int, args) -> dict:
                          for m in ran},
         "threads_at_end": per_rank[0]["threads"],
     }
+    row["stats_by_method"] = per_rank[0].get("stats_by_method", {})
     if stats is not None:
         psi = stats["reduce_scatter_bytes"]  # Psi in the parameter dtype, padded
         row["stats"] = stats
@@ -445,7 +447,7 @@ def best(row: dict, family: str) -> tuple[str, float] | None:
     t = row["step_s"]
     both_compiled = "shardfn-compiled" in t and "fsdp2-compiled" in t
     cands = [m for m in t if m.startswith(family + "-") and (both_compiled or "-compiled" not in m)
-             and m not in COMPRESSED]  # other numerics: compared in their own ratios
+             and m not in COMPRESSED and m != "shardfn-traced"]  # other numerics / graphs: their own ratios
     if not cands:
         return None
     m = min(cands, key=t.get)
@@ -473,6 +475,10 @@ def ratios(row: dict) -> dict:
            if f"shardfn-wire-{w}" in t},
         "jaxloop: loop / train_step (fused)": r("shardfn-jaxloop", "shardfn-fused"),
         "jaxloop: loop / fsdp2 (fused)": r("shardfn-jaxloop", "fsdp2-fused"),
+        "jaxloop: loop / ddp": r("shardfn-jaxloop", "ddp"),
+        "traced: sf.jit / eager (fused)": r("shardfn-traced", "shardfn-fused"),
+        "traced: sf.jit / ddp": r("shardfn-traced", "ddp"),
+        "traced: sf.jit / fsdp2-compiled": r("shardfn-traced", "fsdp2-compiled"),
     }
 
 

@@ -32,7 +32,9 @@ END = "<!-- end generated: {} -->"
 NAMES = {"shardfn-foreach": "shardfn foreach", "shardfn-fused": "shardfn fused", "fsdp2-foreach": "FSDP2 foreach",
          "fsdp2-fused": "FSDP2 fused", "ddp": "DDP (fused)", "shardfn-compiled": "shardfn compiled", "shardfn-compiled-step": "shardfn torch.compile(train)",
          "fsdp2-compiled": "FSDP2 compiled",
-         "shardfn-jaxloop": "shardfn JAX-style loop"}
+         "shardfn-jaxloop": "shardfn JAX-style loop", "shardfn-traced": "shardfn sf.jit (traced)",
+         "shardfn-wire-bf16": "shardfn bf16 wire", "shardfn-wire-fp8": "shardfn fp8 wire",
+         "shardfn-wire-int8": "shardfn int8 wire", "fsdp2-bf16": "FSDP2 bf16 params"}
 # (what, the ratio's key in fsdp_vs_ddp.ratios, at most, the world sizes); on every GPT row
 TARGETS = [
     ("shardfn / FSDP2, both foreach AdamW", "foreach: shardfn / fsdp2", 0.85, (2, 4)),
@@ -237,6 +239,21 @@ def comm_table(report: dict) -> str:
     return table(["model", "N", "shardfn MB / step", "ZeRO-3 3Ψ(N-1)/N MB", "ratio"], body)
 
 
+def wire_bytes_table(report: dict) -> str:
+    """Bytes one step moved per rank, by shardfn method (`stats()`, encoded bytes where
+    compressed), against shardfn fp32's."""
+    body = []
+    for r in report["results"]:
+        by = r.get("stats_by_method") or {}
+        base = by.get("shardfn-fused")
+        for m, st in by.items():
+            rel = (f"{st['all_gather_bytes'] / base['all_gather_bytes']:.3f} / "
+                   f"{st['reduce_scatter_bytes'] / base['reduce_scatter_bytes']:.3f}") if base else "-"
+            body.append([r["label"], str(r["world"]), NAMES.get(m, m), mb(st["all_gather_bytes"]),
+                         mb(st["reduce_scatter_bytes"]), rel])
+    return table(["model", "N", "method", "all-gather MB", "reduce-scatter MB", "vs fp32 (ag / rs)"], body)
+
+
 def census_table(census: dict) -> str:
     body = []
     for m, c in census["methods"].items():
@@ -369,6 +386,13 @@ def sections(results: str = RESULTS) -> dict[str, str]:
     compiled = load("fsdp_vs_ddp_compile", results)
     if compiled is not None:
         out["compile"] = step_time_table(compiled) + "\n\n" + ratio_table(compiled)
+    compressed = load("fsdp_vs_ddp_compressed", results)
+    if compressed is not None:
+        out["compressed"] = (step_time_table(compressed) + "\n\n" + ratio_table(compressed) + "\n\n"
+                             + wire_bytes_table(compressed))
+    traced = load("fsdp_vs_ddp_traced", results)
+    if traced is not None:
+        out["traced"] = step_time_table(traced) + "\n\n" + ratio_table(traced)
     piped = load("pipeline", results)
     if piped is not None:
         from benchmarks.pipeline import render
