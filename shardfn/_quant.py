@@ -117,6 +117,13 @@ def _by_block(x: torch.Tensor, wire: Wire) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], blocks, wire.block)  # explicit: a (0, n) tensor has no -1
 
 
+def _parts(x: torch.Tensor, wire: Wire) -> tuple[torch.Tensor, torch.Tensor]:
+    """(*lead, n) -> views, no copy: the whole blocks (*lead, n // block, block) and the
+    partial last block's (*lead, n % block) elements (padding would copy the whole row)."""
+    full = x.shape[-1] // wire.block * wire.block
+    return x[..., :full].unflatten(-1, (full // wire.block, wire.block)), x[..., full:]
+
+
 class NonFiniteWire(SpecError):
     """NaN / inf refused by `encode` (a SpecError; callers may name the leaves)."""
 
@@ -129,18 +136,28 @@ def _refuse_non_finite(x: torch.Tensor, wire: Wire, what: str) -> None:
                         f"communicate without compression.")
 
 
-def _scales(x: torch.Tensor, wire: Wire) -> torch.Tensor:
-    """Per-block scales (*lead, blocks) in the scale dtype, at least the dtype's tiny."""
+def _scales(x: torch.Tensor, wire: Wire, check: bool = False, what: str = "encode") -> torch.Tensor:
+    """Per-block scales (*lead, blocks) in the scale dtype: amax / qmax, at least the dtype's
+    tiny, and at most max / qmax * (1 - 2**-20), so that q * scale never rounds past the
+    dtype's max (decode needs no clamp; a block at the max loses 2**-20 of it, far below
+    half a step). (abs + amax measured 6x faster than a vector inf-norm on CPU.)"""
     sdt = _scale_dtype(x.dtype)
-    amax = _by_block(x.to(sdt), wire).abs().amax(-1)
-    return (amax / _qmax(wire)).clamp_min(torch.finfo(sdt).tiny)
+    blocks, tail = _parts(x if x.dtype == sdt else x.to(sdt), wire)
+    amax = blocks.abs().amax(-1)  # NaN propagates: the check sees it
+    if tail.shape[-1]:
+        amax = torch.cat([amax, tail.abs().amax(-1, keepdim=True)], dim=-1)
+    if check and not bool(torch.isfinite(amax).all()):  # before the clamp, which would hide an inf
+        _refuse_non_finite(x, wire, what)
+    info, qmax = torch.finfo(sdt), _qmax(wire)
+    return amax.div_(qmax).clamp_(info.tiny, info.max / qmax * (1 - 2.0 ** -20))
 
 
 def encode(x: torch.Tensor, wire: Wire, *, check: bool = True, what: str = "encode") -> torch.Tensor:
     """(*lead, n) floats -> (*lead, nbytes(n)) uint8 rows ([Note: wire formats]).
 
     `check`: refuse NaN / inf (and, for casts, values beyond the dtype's range) with a
-    SpecError naming `what`; this reads a value on the host (skip it where that sync costs)."""
+    SpecError naming `what`; it reads the blocks' amax (or a cast's) on the host, no extra
+    pass over x, but a sync (skip it where that costs)."""
     if not x.is_floating_point():
         raise SpecError(f"{what}: a wire format encodes floating tensors, got {x.dtype}")
     lead, n = tuple(x.shape[:-1]), x.shape[-1]
@@ -155,20 +172,23 @@ def encode(x: torch.Tensor, wire: Wire, *, check: bool = True, what: str = "enco
                 raise SpecError(f"{what}: |x| reaches {top:.3g}, beyond {wire.describe()}'s range "
                                 f"({torch.finfo(wire.dtype).max:.3g}).\nFix: use a scaled format "
                                 f"('int8' or float8 with per-block scales) or no compression.")
-        q = x.to(wire.dtype)
     else:
-        scales = _scales(x, wire)
-        if check and not bool(torch.isfinite(scales).all()):  # a block's amax is NaN / inf: its values are
-            _refuse_non_finite(x, wire, what)
-        blocks = _by_block(x.to(scales.dtype), wire) / scales.unsqueeze(-1)
-        qmax = _qmax(wire)
-        if wire.kind == "int8":
-            q = blocks.round_().clamp_(-qmax, qmax).to(torch.int8)
-        else:
-            q = blocks.clamp_(-qmax, qmax).to(wire.dtype)
-        q = q.flatten(-2)[..., :n]
+        scales = _scales(x, wire, check, what)  # refuses a block whose amax is NaN / inf
+        payload = out[..., scale_bytes:scale_bytes + payload_bytes].view(wire.dtype).view(lead + (n,))
+        blocks, tail = _parts(x.to(scales.dtype), wire)
+        whole = blocks.shape[-2]
+        for part, scale, dest in ((blocks, scales[..., :whole, None], payload[..., :whole * wire.block]),
+                                  (tail, scales[..., whole:], payload[..., whole * wire.block:])):
+            if not part.shape[-1] or not part.numel():
+                continue
+            scaled = torch.div(part, scale)
+            if wire.kind == "int8":  # |x / scale| <= 127 (1 + 2**-19): rounds to at most 127, no clamp
+                scaled.round_()
+            # fp8: |x / scale| <= max (1 + 2**-19) rounds to the max (e4m3fn's NaN starts past 464): no clamp
+            dest.copy_(scaled.reshape(dest.shape))  # the cast to int8 / fp8 in the same pass
         out[..., :scale_bytes].copy_(scales.view(torch.uint8).reshape(lead + (scale_bytes,)))
-    out[..., scale_bytes:scale_bytes + payload_bytes].copy_(q.reshape(lead + (n,)).view(torch.uint8))
+    if wire.kind == "cast":
+        out[..., scale_bytes:scale_bytes + payload_bytes].view(wire.dtype).view(lead + (n,)).copy_(x)
     out[..., scale_bytes + payload_bytes:].zero_()
     return out
 
@@ -197,17 +217,25 @@ def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, out: t
     if rows.shape[-1] != row:
         raise SpecError(f"decode: rows of {rows.shape[-1]} bytes, expected {row} for {n} elements of "
                         f"{wire.describe()} (block {wire.block})")
+    lead = tuple(rows.shape[:-1])
     rows = rows.contiguous()
     q = rows[..., scale_bytes:scale_bytes + payload_bytes].view(wire.dtype)
     if wire.kind == "cast":
         value = q
     else:
         scales = rows[..., :scale_bytes].view(_scale_dtype(dtype))
-        wide = _fp8_to_float(q, scales.dtype) if wire.kind == "fp8" else q.to(scales.dtype)
-        blocks = _by_block(wide, wire) * scales.unsqueeze(-1)
-        top = torch.finfo(scales.dtype).max  # q * scale may round past the dtype's max when amax is at it:
-        blocks.clamp_(-top, top)  # clamping moves the value towards x (|x| <= max), so the bound holds
-        value = blocks.flatten(-2)[..., :n]
+        if wire.kind == "fp8":
+            q = _fp8_to_float(q, scales.dtype)
+        target = out if out is not None and out.dtype == scales.dtype and out.is_contiguous() else None
+        if target is not None and (n % wire.block == 0 or not lead):  # q * scale straight into `out`, one pass
+            full = n // wire.block * wire.block
+            target = target.view(lead + (n,))
+            torch.mul(q[..., :full].view(lead + (-1, wire.block)), scales[..., :full // wire.block].unsqueeze(-1),
+                      out=target[..., :full].view(lead + (-1, wire.block)))
+            if full < n:  # the last, partial block (one row: `lead` is empty)
+                torch.mul(q[full:], scales[-1], out=target[full:])
+            return out
+        value = (_by_block(q, wire) * scales.unsqueeze(-1)).flatten(-2)[..., :n]
     if out is None:
         return value.to(dtype)
     out.copy_(value.reshape(out.shape))

@@ -71,8 +71,15 @@ class _Decoded:
             self.pending = None
             acc = torch.empty(received.shape[:-1] + (self.n,), dtype=accumulation_dtype(self.dtype),
                               device=received.device)
-            decode(received, self.wire, self.n, self.dtype, out=acc)
-            self.out.copy_(acc.sum(0))
+            if received.dim() == 2:  # row by row: each decodes straight into its row of acc
+                for j in range(received.shape[0]):
+                    decode(received[j], self.wire, self.n, self.dtype, out=acc[j])
+            else:
+                decode(received, self.wire, self.n, self.dtype, out=acc)
+            if self.out.dtype == acc.dtype and self.out.is_contiguous():
+                torch.sum(acc, dim=0, out=self.out)
+            else:
+                self.out.copy_(acc.sum(0))
             return self.out
 
 
