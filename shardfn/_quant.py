@@ -149,7 +149,11 @@ def _scales(x: torch.Tensor, wire: Wire, check: bool = False, what: str = "encod
     if check and not bool(torch.isfinite(amax).all()):  # before the clamp, which would hide an inf
         _refuse_non_finite(x, wire, what)
     info, qmax = torch.finfo(sdt), _qmax(wire)
-    return amax.div_(qmax).clamp_(info.tiny, info.max / qmax * (1 - 2.0 ** -20))
+    scales = amax.div_(qmax).clamp_min_(info.tiny)
+    cap = info.max / qmax * (1 - 2.0 ** -20)
+    # The cap only on finite scales: an inf (or NaN) amax keeps a non-finite scale, so an
+    # unchecked encode (qgZ) decodes that whole block to inf / NaN, never to a finite lie.
+    return scales.masked_fill_((scales > cap) & torch.isfinite(scales), cap)
 
 
 def encode(x: torch.Tensor, wire: Wire, *, check: bool = True, what: str = "encode") -> torch.Tensor:
@@ -193,18 +197,23 @@ def encode(x: torch.Tensor, wire: Wire, *, check: bool = True, what: str = "enco
     return out
 
 
-def _fp8_to_float(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _fp8_to_float(q: torch.Tensor, dtype: torch.dtype, *, scaled: bool = True) -> torch.Tensor:
     """fp8 -> `dtype` through float16's bits, exactly: e5m2 is float16's top byte, and e4m3fn's
     bits shifted into float16's places are the value times 2**-8 (both biases differ by 8),
     subnormals included. (torch's direct fp8 conversion runs about twice as slow on CPU.)
-    e4m3fn's NaN (S.1111.111) has no float16 twin there and is put back by hand."""
+    e4m3fn's NaN (S.1111.111) has no float16 twin there and is put back by hand.
+    `scaled=False` (decode's fast path): e4m3fn's values are left 2**-8 of theirs, for the
+    caller to fold into its scale, and the NaN is not put back (decode never meets one: a
+    block with a NaN or inf has a non-finite scale, which spreads over the block anyway)."""
     u = q.view(torch.uint8).to(torch.int16)
     if q.dtype == torch.float8_e5m2:
         return (u << 8).view(torch.float16).to(dtype)
     magnitude = u & 0x7F
     half = (magnitude << 7) | ((u & 0x80) << 8)
-    value = half.view(torch.float16).to(dtype).mul_(256.0)
-    return value.masked_fill_(magnitude == 0x7F, float("nan"))
+    value = half.view(torch.float16).to(dtype)
+    if not scaled:
+        return value
+    return value.mul_(256.0).masked_fill_(magnitude == 0x7F, float("nan"))
 
 
 def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
@@ -225,7 +234,9 @@ def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, out: t
     else:
         scales = rows[..., :scale_bytes].view(_scale_dtype(dtype))
         if wire.kind == "fp8":
-            q = _fp8_to_float(q, scales.dtype)
+            q = _fp8_to_float(q, scales.dtype, scaled=False)
+            if wire.dtype == torch.float8_e4m3fn:  # its 2**8 folded into the (small) scales
+                scales = scales * 256.0
         target = out if out is not None and out.dtype == scales.dtype and out.is_contiguous() else None
         if target is not None and (n % wire.block == 0 or not lead):  # q * scale straight into `out`, one pass
             full = n // wire.block * wire.block

@@ -246,3 +246,16 @@ def test_fp8_decode_through_float16_bits_is_torchs_conversion_for_every_byte(fp8
     assert mine.dtype == out
     assert torch.equal(mine.isnan(), theirs.isnan())
     assert torch.equal(mine.nan_to_num(0.0), theirs.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("spec", ["int8", torch.float8_e4m3fn, torch.float8_e5m2], ids=["int8", "e4m3fn", "e5m2"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_an_unchecked_encode_never_turns_a_non_finite_block_finite(spec, bad):
+    """qgZ encodes without the check (no host sync): a block holding NaN / inf must decode
+    to non-finite values (its scale is non-finite), never to finite ones; the other
+    blocks are untouched."""
+    wire = Wire.of(spec, 4)
+    x = torch.tensor([1.0, bad, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0])
+    y = decode(encode(x, wire, check=False), wire, 8, torch.float32)
+    assert not bool(torch.isfinite(y[:4]).any()), y
+    assert bool(torch.isfinite(y[4:]).all()) and (y[4:] - x[4:]).abs().max() <= bound(x[4:], wire).max()
