@@ -120,6 +120,12 @@ def shardfn_trainer(step, params, batch, fused: bool = False, compile_step: bool
     if compile_step:
         warnings.filterwarnings("ignore", "torch.compile does not capture")  # said in the docs
         train = torch.compile(train)
+    return train_loop(train, step, opt, params, batch)
+
+
+def train_loop(train, step, opt, params, batch):
+    """`(one step -> loss, state bytes)` of a `train(shards, opt_state, batch)` function
+    (`sf.train_step`, `sf.jit`) from `params` sharded by `step`."""
     state = {"shards": step.shard_params(params)}
     state["opt"] = opt.init(state["shards"])
 
@@ -214,19 +220,7 @@ def _shardfn_traced(spec, mesh, batch):
     apply = sf.traced_apply(model)
     step = sf.shard(lambda p, b: apply(p, *b), mesh)
     opt = sf.optim.adamw(LR, weight_decay=0.0)
-    train = sf.jit(step, opt)
-    state = {"shards": step.shard_params(params)}
-    state["opt"] = opt.init(state["shards"])
-
-    def one():
-        state["shards"], state["opt"], loss = train(state["shards"], state["opt"], batch)
-        return float(loss)
-
-    def nbytes():  # shards + grads (same size as shards) + optimizer state
-        leaves = torch.utils._pytree.tree_leaves
-        return 2 * tensor_bytes(leaves(state["shards"])) + tensor_bytes(leaves(state["opt"]))
-
-    return Trainer(one, nbytes)
+    return Trainer(*train_loop(sf.jit(step, opt), step, opt, params, batch))
 
 
 def _fsdp2(spec, mesh, batch, fused=False, compile_=False, param_dtype=None):

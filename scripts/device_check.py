@@ -76,6 +76,12 @@ def check(name: str):
     return wrap
 
 
+def max_diff(a, b) -> float:
+    """The largest |a - b| over two trees' leaves."""
+    leaves = torch.utils._pytree.tree_leaves
+    return max((x - y).abs().max().item() for x, y in zip(leaves(a), leaves(b)))
+
+
 def gpt_batches(cfg, device, n=5, rows=4):
     g = torch.Generator().manual_seed(1)
     return [tuple(torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), generator=g).to(device) for _ in range(2))
@@ -198,8 +204,7 @@ def check_gloo_two_ranks(device: str):
     for _ in range(3):
         grads = torch.func.grad(lambda p: sum(mlp_loss(p, tuple(t.chunk(2)[r] for t in batch)) for r in range(2)) / 2)(ref)
         ref = torch.utils._pytree.tree_map(lambda p, q: p - 0.1 * q, ref, grads)
-    diff = max((a - b).abs().max().item() for a, b in zip(torch.utils._pytree.tree_leaves(got),
-                                                          torch.utils._pytree.tree_leaves(ref)))
+    diff = max_diff(got, ref)
     assert diff < 1e-5, diff
     return f"params after 3 steps, max |d| {diff:.1e}"
 
@@ -235,8 +240,7 @@ def check_compressed_two_ranks(device: str) -> str:
 
     got = run_multiprocess(body, 2, device, timeout=120)[0]
     ref = run_multiprocess(body, 2, "cpu", timeout=120)[0]
-    diff = max((a - b).abs().max().item() for a, b in zip(torch.utils._pytree.tree_leaves(got),
-                                                          torch.utils._pytree.tree_leaves(ref)))
+    diff = max_diff(got, ref)
     assert diff < 1e-5, diff
     return f"params after 3 steps vs CPU, max |d| {diff:.1e}"
 
