@@ -43,6 +43,15 @@ def _max_diff(a, b) -> float:
     return max((x - y).abs().max().item() for x, y in zip(sf._tree.flatten(a)[0], sf._tree.flatten(b)[0]))
 
 
+def _fresh_dynamo():
+    """A forked rank inherits the parent's dynamo caches and counters (the test process may
+    have compiled before: tests/test_compile.py in the same worker): start from zero."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
 def _dynamo_counts():
     from torch._dynamo.utils import counters
 
@@ -53,6 +62,7 @@ def _dynamo_counts():
 def _mlp_parity(backend: str, sizes, traced_steps: int):
     """Per rank: eager and traced losses, parameter difference after STEPS, dynamo counts
     after `traced_steps` traced steps, and both byte counts."""
+    _fresh_dynamo()
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
     params = mlp_params(torch.Generator().manual_seed(0), sizes)
     batches = _mlp_batches(mesh.rank, 1, sizes[0], sizes[-1]) * traced_steps  # one batch: the loss falls
@@ -124,6 +134,7 @@ def test_traced_mlp_inductor_matches_eager():
 
 
 def _memory(backend: str, reshard: bool, optimizer: str):
+    _fresh_dynamo()
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
     sizes = [512] * 17  # 16 layers of 512 x 512 fp32: 1 MiB each
     params = mlp_params(torch.Generator().manual_seed(0), sizes)
@@ -169,6 +180,7 @@ def test_traced_memory_reshards_in_the_graph():
 
 
 def _gpt_parity(backend: str, traced_steps: int):
+    _fresh_dynamo()
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
     torch.manual_seed(0)
     model = GPT(GPT_CFG)
@@ -215,6 +227,7 @@ def test_traced_gpt_matches_eager_one_graph(backend):
 def _mixed_precision_and_whole_leaves():
     """bf16 gathers and compute, fp32 reductions, a 0-dim leaf (kept whole: its gradient is
     an all-reduce) and has_aux, traced against eager."""
+    _fresh_dynamo()
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
     params = mlp_params(torch.Generator().manual_seed(0), [16, 32, 32, 4])
     params["scale"] = torch.tensor(1.5)
@@ -268,6 +281,7 @@ def test_traced_mixed_precision_whole_leaf_and_aux_match_eager():
 
 
 def _unequal_batches():
+    _fresh_dynamo()
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
     step = sf.shard(mlp_loss, mesh)
     shards = step.shard_params(mlp_params(torch.Generator().manual_seed(0), [4, 4]))
@@ -289,6 +303,7 @@ def test_unequal_batches_fail_in_the_graph():
 
 
 def _branch_on_value():
+    _fresh_dynamo()
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
 
     def loss_fn(params, batch):
@@ -319,6 +334,7 @@ def _item_in_loss():
     """`.item()` in loss_fn: dynamo captures it as a data-dependent scalar, which may or may
     not compile with the traced backward (torch 2.13: AOTAutograd fails on the unbacked
     symbol): a clear error, or the eager numbers; never other numbers."""
+    _fresh_dynamo()
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
 
     def loss_fn(params, batch):
