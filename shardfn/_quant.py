@@ -43,7 +43,7 @@ import torch
 
 from ._errors import SpecError
 
-__all__ = ["NonFiniteWire", "Wire", "WIRE_SPECS", "encode", "decode", "nbytes", "bound"]
+__all__ = ["NonFiniteWire", "Wire", "scale_dtype", "WIRE_SPECS", "encode", "decode", "nbytes", "bound"]
 
 _FP8 = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits, e_min
 _CASTS = {torch.bfloat16: 7, torch.float16: 10}
@@ -83,7 +83,8 @@ class Wire(NamedTuple):
         return "int8" if self.kind == "int8" else str(self.dtype).replace("torch.", "")
 
 
-def _scale_dtype(dtype: torch.dtype) -> torch.dtype:
+def scale_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The scales' dtype, and what a decode computes in: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -93,7 +94,7 @@ def _blocks(n: int, wire: Wire) -> int:
 
 def _layout(n: int, wire: Wire, dtype: torch.dtype) -> tuple[int, int, int]:
     """(scale bytes, payload bytes, row bytes) of an `n`-element row."""
-    scale_bytes = _blocks(n, wire) * _scale_dtype(dtype).itemsize
+    scale_bytes = _blocks(n, wire) * scale_dtype(dtype).itemsize
     payload = n * wire.dtype.itemsize
     return scale_bytes, payload, -(-(scale_bytes + payload) // _ALIGN) * _ALIGN
 
@@ -141,7 +142,7 @@ def _scales(x: torch.Tensor, wire: Wire, check: bool = False, what: str = "encod
     tiny, and at most max / qmax * (1 - 2**-20), so that q * scale never rounds past the
     dtype's max (decode needs no clamp; a block at the max loses 2**-20 of it, far below
     half a step). (abs + amax measured 6x faster than a vector inf-norm on CPU.)"""
-    sdt = _scale_dtype(x.dtype)
+    sdt = scale_dtype(x.dtype)
     blocks, tail = _parts(x if x.dtype == sdt else x.to(sdt), wire)
     amax = blocks.abs().amax(-1)  # NaN propagates: the check sees it
     if tail.shape[-1]:
@@ -232,7 +233,7 @@ def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, out: t
     if wire.kind == "cast":
         value = q
     else:
-        scales = rows[..., :scale_bytes].view(_scale_dtype(dtype))
+        scales = rows[..., :scale_bytes].view(scale_dtype(dtype))
         if wire.kind == "fp8":
             q = _fp8_to_float(q, scales.dtype, scaled=False)
             if wire.dtype == torch.float8_e4m3fn:  # its 2**8 folded into the (small) scales
@@ -255,7 +256,7 @@ def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, out: t
 
 def bound(x: torch.Tensor, wire: Wire) -> torch.Tensor:
     """Per element, the largest |x - decode(encode(x))| allowed ([Note: quantization error bound])."""
-    sdt = _scale_dtype(x.dtype)
+    sdt = scale_dtype(x.dtype)
     a = x.to(sdt).abs()
     # decoded into x's dtype: a half-precision x adds its own rounding of the result
     own = a * 2.0 ** -(_CASTS[x.dtype] + 1) if x.dtype in _CASTS else 0.0

@@ -48,14 +48,15 @@ from __future__ import annotations
 import torch
 
 from .._backend import ops
-from .._quant import Wire, decode, encode, nbytes
+from .._quant import Wire, decode, encode, nbytes, scale_dtype
 
-__all__ = ["reduce_scatter", "accumulation_dtype", "quantized_all_reduce", "encoded_bytes"]
+__all__ = ["reduce_scatter", "accumulation_dtype", "encoded_bytes"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype decoded rows are summed in: float64 for float64 gradients, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    """The dtype decoded rows are summed in: the wire's scale dtype (float64 for float64
+    gradients, else float32), which is also what lets a row decode straight into it."""
+    return scale_dtype(dtype)
 
 
 class _Decoded:
@@ -94,22 +95,6 @@ def reduce_scatter(packed: torch.Tensor, group, wire: Wire, stats, out: torch.Te
         if out is None:
             out = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
         return _Decoded(ops.all_to_all_async(group, rows), wire, n, packed.dtype, out)
-
-
-def quantized_all_reduce(x: torch.Tensor, group, wire: Wire, stats) -> torch.Tensor:
-    """Sum `x` (*lead, n) over `group` with both halves quantized: a qgZ reduce-scatter of
-    its k chunks, then an all-gather of each rank's encoded sum ([Note: HSDP across
-    replicas] in reduce.py: measured, not used by `shard`). Returns a new tensor."""
-    with ops.plain_mode():
-        k, n = group.size, x.shape[-1]
-        c = -(-n // k)
-        padded = torch.nn.functional.pad(x, (0, c * k - n)).unflatten(-1, (k, c)).movedim(-2, 0)  # (k, *lead, c)
-        mine = reduce_scatter(padded.contiguous(), group, wire, stats).wait()  # (*lead, c)
-        rows = encode(mine, wire, check=False)
-        stats.collective("all_gather", rows.numel() * rows.element_size() * k)
-        gathered = ops.all_gather_async(group, rows).wait()  # (k, *lead, R)
-        total = decode(gathered, wire, c, x.dtype)  # (k, *lead, c)
-        return total.movedim(0, -2).flatten(-2)[..., :n].contiguous()
 
 
 def encoded_bytes(shape: tuple[int, ...], wire: Wire, dtype: torch.dtype) -> int:
