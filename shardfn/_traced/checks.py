@@ -35,9 +35,6 @@ def check_traceable(step, plan) -> None:
                       "the tensor-parallel reductions are not written yet")
     if cfg.batch_weighting == "global_mean":
         raise _refuse("batch_weighting='global_mean'", "the weights are read on the host")
-    if cfg.prefetch > 1:
-        raise _refuse(f"prefetch={cfg.prefetch}", "the graph gathers each unit just in time (prefetch is inductor's "
-                      "reordering, not an option); use prefetch=0 or 1")
     group = mesh.group(cfg.shard_axes)
     if group.perm is not None:
         raise _refuse(f"shard axes {cfg.shard_axes} named in another order than the mesh",

@@ -30,6 +30,31 @@ so in its record (`TrafficRecord.rescheduled` is False), and the tests check it.
 
 The pass also counts the graph's collectives and bytes (`TrafficRecord`), so
 `stats()` reports what the compiled graph sends, not what Python intended.
+
+[Note: overlap in the graph]
+Gathering just in time leaves every transfer exposed: the rank waits on each all-gather
+and reduce-scatter with nothing to do (measured on the GPT 4L, world 2: 44 ms of a
+270 ms step in `wait_tensor`). So the pass also places the collectives as the eager
+runtime's `prefetch` does:
+
+- `prefetch=k` (the `shard` option, default 1): unit i's pack and all-gather are issued
+  before the first compute of unit i - k, in the forward and among the backward
+  re-gathers; each wait stays just before its unit's first reader (`_issue_early`);
+- each reduce-scatter's wait moves to the next reduce-scatter's issue
+  (`_place_reduce_scatters`; the reduce-scatter itself is issued as soon as its
+  gradient exists): one unit's backward runs while the previous unit's
+  gradient is on the wire, and at most two units' full gradients are alive at once.
+
+Inductor does not keep an FX graph's order: its scheduler orders nodes by its own
+heuristics (measured on the MLP: each wait right after its collective, every unit's pack
+fused into one kernel at the top of the graph, every reduce-scatter's wait sunk to the
+end with its full gradient alive until then). So after its pattern passes a second pass
+(`pin_order`, inductor's `post_grad_custom_post_pass`) states the order as dependencies,
+with `control_deps`, the mechanism inductor's own overlap scheduler uses: each
+collective's issue and wait, and each non-view op of an all-gather's pack, sit between
+the compute nodes (mm, bmm, attention: extern kernels inductor never fuses away) around
+them in the scheduled graph. Measured (GPT 4L d256, world 2): `wait_tensor` 44 -> 14 ms
+per step; the generated code keeps the order (checked in its output).
 """
 
 from __future__ import annotations
@@ -40,9 +65,23 @@ import hashlib
 import torch
 import torch.fx
 
-__all__ = ["TrafficRecord", "schedule_units", "SchedulePass"]
+__all__ = ["TrafficRecord", "schedule_units", "SchedulePass", "order_constraints", "pin_order", "pin_pass"]
 
 _C = torch.ops._c10d_functional
+_STARTS = (_C.all_gather_into_tensor.default, _C.reduce_scatter_tensor.default, _C.all_reduce.default)
+
+
+def _is_compute(node) -> bool:
+    """A node with a flop formula (mm, addmm, bmm, attention, ...): an extern kernel that
+    inductor never fuses away, so an ordering constraint on it holds."""
+    from torch.utils.flop_counter import flop_registry as registry
+
+    return node.op == "call_function" and (node.target in registry
+                                           or getattr(node.target, "overloadpacket", None) in registry)
+
+
+def _is_view(node) -> bool:
+    return bool(getattr(node.target, "is_view", False))
 
 
 @dataclasses.dataclass
@@ -55,6 +94,8 @@ class TrafficRecord:
     all_reduce_bytes: int = 0
     num_collectives: int = 0
     backward_gathers: int = 0  # re-gathers inserted for reshard-after-forward
+    overlapped: int = 0  # collectives with a compute node between their issue and their wait
+    pinned: int = 0  # order constraints written for inductor (`pin_order`)
     rescheduled: bool = False  # the pass matched every forward all-gather to its unit
     graphs: int = 0  # graphs the pass has seen (one per compile)
 
@@ -90,17 +131,20 @@ def _derived(wait) -> list:
     return out
 
 
-def _feeding(gather) -> list:
-    """The forward ops that only feed this all-gather (the pack: pad, cat, cast of the
-    shard leaves), in graph order: moved and re-run with it, so the packed buffer lives no
-    longer than the gather."""
+def _feeding(gather, backward: bool = False) -> list:
+    """The ops that only feed this collective, in graph order. For a forward all-gather
+    (the default): the forward pack (pad, cat, cast of the shard leaves), moved and re-run
+    with it, so the packed buffer lives no longer than the gather. With `backward`: the
+    backward ops short of a compute node (the gradient's pack: pad, cat, cast) that feed a
+    reduce-scatter."""
     order = {n: i for i, n in enumerate(gather.graph.nodes)}
     accepted = {gather}
     stack = [n for n in gather.all_input_nodes]
     while stack:
         node = max(stack, key=order.__getitem__)  # users before their inputs
         stack.remove(node)
-        if node in accepted or node.op != "call_function" or _is_backward(node):
+        if node in accepted or node.op != "call_function" or _is_backward(node) != backward or (
+                backward and _is_compute(node)):
             continue
         if all(u in accepted for u in node.users):
             accepted.add(node)
@@ -118,26 +162,31 @@ def _copy_before(anchor, nodes: list, env: dict) -> None:
             env[node] = new
 
 
-def schedule_units(graph: torch.fx.Graph, reshard: tuple[bool, ...], record: TrafficRecord) -> None:
+def schedule_units(graph: torch.fx.Graph, reshard: tuple[bool, ...], record: TrafficRecord, prefetch: int = 1) -> None:
     """[Note: the schedule is a graph pass] `reshard[i]`: re-gather the i-th unit issued
-    in the backward."""
+    in the backward; `prefetch`: issue each unit's all-gather this many units early
+    ([Note: overlap in the graph])."""
     gathers = [n for n in graph.nodes if n.target is _C.all_gather_into_tensor.default and not _is_backward(n)]
     record.graphs += 1
     record.rescheduled = len(gathers) == len(reshard) and all(_wait_of(g) is not None for g in gathers)
     record.backward_gathers = 0
     if record.rescheduled:
+        forward, backward = [], []  # (the nodes that issue a gather, the first op that reads it)
         for gather, again in zip(gathers, reshard):
             wait = _wait_of(gather)
             derived = _derived(wait)
-            group = _feeding(gather) + [gather, wait] + derived
+            issue = _feeding(gather) + [gather]
+            group = issue + [wait] + derived
             members = set(group)
             # gather just in time: before the first op outside the group that reads it
             order = {n: i for i, n in enumerate(graph.nodes)}
             readers = [u for n in group for u in n.users if u not in members]
-            if readers:
-                first = min(readers, key=order.__getitem__)
-                for node in group:
-                    first.prepend(node)
+            if not readers:
+                continue
+            first = min(readers, key=order.__getitem__)
+            for node in group:
+                first.prepend(node)
+            forward.append((issue, first))
             if not again:
                 continue
             order = {n: i for i, n in enumerate(graph.nodes)}
@@ -151,14 +200,90 @@ def schedule_units(graph: torch.fx.Graph, reshard: tuple[bool, ...], record: Tra
                 for old, new in env.items():
                     if old in user.all_input_nodes:
                         user.replace_input_with(old, new)
+            backward.append(([env[n] for n in issue], anchor))
             record.backward_gathers += 1
+        if prefetch:
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            _issue_early(forward, prefetch)
+            _issue_early(sorted(backward, key=lambda g: order[g[1]]), prefetch)
+        _place_reduce_scatters(graph)
         graph.eliminate_dead_code()  # copies no backward op reads
     _count(graph, record)
 
 
+def _issue_early(groups: list, prefetch: int) -> None:
+    """[Note: overlap in the graph] `groups`: (issue nodes, first reader) per gather in
+    execution order. Gather i (i >= 1) is issued just before the first reader of gather
+    max(i - prefetch, 0), so its transfer runs under that unit's compute; its wait stays
+    before its own first reader. The issue nodes read only the shard leaves (graph
+    inputs), so any earlier place is legal."""
+    for i in range(1, len(groups)):
+        issue, _ = groups[i]
+        before = groups[max(i - prefetch, 0)][1]
+        order = {n: k for k, n in enumerate(before.graph.nodes)}
+        if order[before] < order[issue[0]]:
+            for node in issue:
+                before.prepend(node)
+
+
+def _views_of(wait) -> list:
+    """The views of a wait's result (directly or through each other), in graph order:
+    they move with it."""
+    chain, out = {wait}, []
+    for node in wait.graph.nodes:
+        if node not in chain and node.op == "call_function" and _is_view(node) and node.args and node.args[0] in chain:
+            chain.add(node)
+            out.append(node)
+    return out
+
+
+def _place_reduce_scatters(graph: torch.fx.Graph) -> None:
+    """[Note: overlap in the graph] Each reduce-scatter (with the pack of its gradient)
+    is issued as soon as its inputs exist (the traced backward lists every gradient
+    function of the gathers at the end: the autograd engine runs them last), and its
+    wait (with the views of its result) moves to the next reduce-scatter's issue, or
+    before its first other reader if that comes earlier: the unit's backward that follows
+    runs while the gradient is on the wire, and at most two units' full gradients are
+    alive at once, as in FSDP2's eager schedule."""
+    scatters = [n for n in graph.nodes if n.target is _C.reduce_scatter_tensor.default]
+    for node in scatters:
+        moving = _feeding(node, backward=True) + [node]
+        members = set(moving)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        inputs = [i for n in moving for i in n.all_input_nodes if i not in members]
+        if inputs:
+            after = max(inputs, key=order.__getitem__)
+            for member in moving:
+                after.append(member)
+                after = member
+    scatters = [n for n in graph.nodes if n.target is _C.reduce_scatter_tensor.default]  # in their new order
+    for node, nxt in zip(scatters, scatters[1:] + [None]):
+        wait = _wait_of(node)
+        if wait is None:
+            continue
+        group = [wait] + _views_of(wait)
+        members = set(group)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        stops = [u for n in group for u in n.users if u not in members] + ([nxt] if nxt is not None else [])
+        if not stops:
+            continue
+        target = min(stops, key=order.__getitem__)
+        for member in group:  # down from its collective, or up from where inductor's locality pass sank it
+            target.prepend(member)
+
+
 def _count(graph, record: TrafficRecord) -> None:
     record.all_gather_bytes = record.reduce_scatter_bytes = record.all_reduce_bytes = record.num_collectives = 0
+    record.overlapped = 0
+    in_flight: set = set()
     for node in graph.nodes:
+        if _is_compute(node):
+            record.overlapped += len(in_flight)
+            in_flight.clear()
+        elif node.target is _C.wait_tensor.default:
+            in_flight.discard(node.args[0])
+        if node.target in _STARTS:
+            in_flight.add(node)
         if node.target is _C.all_gather_into_tensor.default:
             record.all_gather_bytes += _nbytes(node)
         elif node.target is _C.reduce_scatter_tensor.default:
@@ -170,18 +295,78 @@ def _count(graph, record: TrafficRecord) -> None:
         record.num_collectives += 1
 
 
+def order_constraints(graph: torch.fx.Graph) -> dict:
+    """[Note: overlap in the graph] The graph's order, stated as dependencies inductor's
+    scheduler keeps (it otherwise orders by its own heuristics: measured, it put every
+    wait right after its collective and fused every unit's pack into one kernel at the
+    top of the graph, and every reduce-scatter's wait at the end, which keeps each
+    unit's full gradient alive until then). Between compute nodes (`_is_compute`), in
+    the order the schedule pass left: a collective's issue and a wait before the next
+    compute node, a wait after the last compute node before it, and the ops that pack an
+    all-gather's input (a copy of the shard leaves) after the compute node before them,
+    so a packed buffer lives no longer than in the schedule."""
+    deps: dict = {}
+    pending: list = []  # issues and waits since the last compute node
+    last = None
+    packs = {n for g in graph.nodes if g.target is _C.all_gather_into_tensor.default for n in _feeding(g)}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        wait = node.target is _C.wait_tensor.default
+        if wait or (node in packs and not _is_view(node)):
+            if last is not None:
+                deps.setdefault(node, []).append(last)
+        if wait or node.target in _STARTS:
+            pending.append(node)
+        elif _is_compute(node):
+            if pending:
+                deps.setdefault(node, []).extend(pending)
+                pending = []
+            last = node
+    return deps
+
+
+def pin_order(graph: torch.fx.Graph, record: TrafficRecord) -> None:
+    """Write `order_constraints` into the graph as inductor's `control_deps` (the mechanism
+    its own overlap scheduler uses); a torch without it keeps the graph as it is."""
+    try:
+        from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+        from torch.utils._ordered_set import OrderedSet
+    except ImportError:
+        return
+    deps = order_constraints(graph)
+    record.pinned = sum(len(before) for before in deps.values())
+    if deps:
+        preserve_node_ordering(graph, {node: OrderedSet(before) for node, before in deps.items()})
+
+
 class SchedulePass:
     """The pass as inductor's `post_grad_custom_pre_pass` (a `CustomGraphPass`: its uuid
     keys inductor's cache by the unit flags)."""
 
-    def __new__(cls, reshard, record):
+    def __new__(cls, reshard, record, prefetch: int = 1):
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
         class _Pass(CustomGraphPass):
             def __call__(self, graph):
-                schedule_units(graph, reshard, record)
+                schedule_units(graph, reshard, record, prefetch)
 
             def uuid(self):
-                return hashlib.sha256(repr(("shardfn-traced-schedule-1", reshard)).encode()).digest()
+                return hashlib.sha256(repr(("shardfn-traced-schedule-2", reshard, prefetch)).encode()).digest()
 
         return _Pass()
+
+
+def pin_pass(record: TrafficRecord):
+    """`pin_order` as inductor's `post_grad_custom_post_pass` (after its pattern passes,
+    which would not match nodes wrapped in `control_deps`)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Pin(CustomGraphPass):
+        def __call__(self, graph):
+            pin_order(graph, record)
+
+        def uuid(self):
+            return hashlib.sha256(b"shardfn-traced-pin-1").digest()
+
+    return _Pin()

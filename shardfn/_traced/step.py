@@ -41,7 +41,7 @@ from .._fsdp.plan import pack_shards
 from ..optim.base import apply_updates
 from .checks import check_traceable
 from .collectives import GatherFlat, all_reduce_sum
-from .schedule import SchedulePass, TrafficRecord, schedule_units
+from .schedule import SchedulePass, TrafficRecord, pin_pass, schedule_units
 from .trees import fill, leaves_of, list_state, skeleton
 
 __all__ = ["jit", "TracedStep"]
@@ -136,15 +136,16 @@ class TracedStep:
         for tree in trees:  # a container `fill` cannot rebuild: a SpecError here, not inside the trace
             fill(tree, [None] * len(_tree.flatten(tree)[0]))
         body = functools.partial(_train, _Static.of(self.step), self.step.loss_fn, self.opt, plan, *trees)
-        flags = self._reshard_flags(plan)
+        flags, prefetch = self._reshard_flags(plan), self.step.config.prefetch
         if self.backend == "inductor":
-            options = dict(self.options, post_grad_custom_pre_pass=SchedulePass(flags, self.record))
+            options = dict(self.options, post_grad_custom_pre_pass=SchedulePass(flags, self.record, prefetch),
+                           post_grad_custom_post_pass=pin_pass(self.record))
             options.setdefault("fx_graph_cache", False)  # the pass must run: it counts the traffic
             return torch.compile(body, fullgraph=True, backend="inductor", options=options)
         from torch._dynamo.backends.common import aot_autograd
 
         def compiler(gm, example_inputs):
-            schedule_units(gm.graph, flags, self.record)
+            schedule_units(gm.graph, flags, self.record, prefetch)
             gm.recompile()
             return gm
 
