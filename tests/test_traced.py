@@ -217,22 +217,22 @@ def test_traced_memory_at_most_eager(optimizer):
         assert max(peaks["traced"]) <= max(peaks["eager"]), peaks
 
 
-def _gpt_parity(backend: str, traced_steps: int):
+def _gpt_parity(backend: str, traced_steps: int, cfg: GPTConfig = GPT_CFG, optimizer: str = "adamw"):
     _fresh_dynamo()
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
     torch.manual_seed(0)
-    model = GPT(GPT_CFG)
+    model = GPT(cfg)
     apply_fn, params = sf.functional(model)
     traced_apply = sf.traced_apply(model)
     gen = torch.Generator().manual_seed(7 + mesh.rank)
-    idx = torch.randint(0, GPT_CFG.vocab_size, (4, GPT_CFG.block_size), generator=gen)
+    idx = torch.randint(0, cfg.vocab_size, (4, cfg.block_size), generator=gen)
     batches = [(idx, torch.roll(idx, -1, dims=1))] * traced_steps  # one batch: the loss falls
     out = {}
     for mode in ("eager", "traced"):
         fn = apply_fn if mode == "eager" else traced_apply
         step = sf.shard(lambda p, b, fn=fn: fn(p, *b), mesh)
         shards = step.shard_params(params)
-        opt = sf.optim.adamw(3e-3)
+        opt = sf.optim.adamw(3e-3) if optimizer == "adamw" else sf.optim.sgd(3e-2)
         train = sf.train_step(step, opt) if mode == "eager" else sf.jit(step, opt, backend=backend)
         shards, _, losses = _train(train, shards, opt.init(shards), batches[:STEPS])
         out[mode] = {"losses": losses, "shards": shards, "stats": step.stats() if mode == "eager" else train.stats()}
@@ -260,6 +260,30 @@ def test_traced_gpt_matches_eager_one_graph(backend):
             assert eager["stats"][key] == traced["stats"][key]
         # the traced graph re-gathers in the backward only what the backward reads
         assert traced["stats"]["all_gather_bytes"] <= eager["stats"]["all_gather_bytes"]
+
+
+# examples/train_gpt.py's model: GPT 4L d64, T64, fused attention, the character vocabulary
+EXAMPLES_CFG = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=64, sdpa=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, optimizer", [("aot_eager", "adamw"), ("inductor", "sgd")])
+def test_traced_examples_gpt_matches_eager(backend, optimizer):
+    """The examples' GPT traced: one graph over 20 steps, losses within 1e-6 and parameters
+    within 5e-5 of the eager step over 10 steps.
+
+    With inductor and AdamW the bound does not hold (measured: losses 1.4e-6, parameters
+    3.9e-5 / 1.3e-4 on the two ranks), and SGD shows why: inductor's forward and backward
+    kernels agree with eager to a unit in the last place (SGD: losses 4.8e-7, i.e. one
+    float32 ulp at 4.0, parameters 1.1e-8), and Adam's update, g / sqrt(v), turns
+    last-place differences of small gradients into differences of the learning rate's
+    size. aot_eager runs the same graph op by op and is bit-equal with AdamW."""
+    for out in run_multiprocess(_gpt_parity, 2, backend, 2 * STEPS, EXAMPLES_CFG, optimizer, timeout=TIMEOUT):
+        eager, traced = out["eager"], out["traced"]
+        assert max(abs(a - b) for a, b in zip(eager["losses"], traced["losses"])) <= 1e-6, (eager, traced)
+        assert out["param_diff"] <= 5e-5
+        assert eager["losses"][-1] < eager["losses"][0]
+        assert out["dynamo"] == {"unique_graphs": 1, "graph_breaks": 0}
 
 
 def _mixed_precision_and_whole_leaves():
