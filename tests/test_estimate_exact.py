@@ -11,8 +11,9 @@ docs/fsdp_design.md, and asserted exactly:
   count), two (adam, adamw + the count);
 - gathered buffers at their peak: the root unit stays gathered through the forward; then
   either one block copying out of its all-gather output (two copies of it) or one block
-  computing and `prefetch` blocks in flight, each with its packed send buffer (a block of
-  several leaves sends a packed (S,) buffer); without resharding, every unit plus the last
+  computing and `prefetch` blocks in flight, each with its send buffer (a block of
+  several leaves sends an (S,) buffer: no new bytes in fp32, where the shards are views of
+  it, a packed copy in param_dtype otherwise); without resharding, every unit plus the last
   one's all-gather output;
 - traffic: non-root units gathered twice with resharding (the root once), every unit
   reduce-scattered once, the loss all-reduced (32 bytes), HSDP's cross-replica
@@ -68,10 +69,13 @@ class Schedule:
         p = _params(d, layers)
         root = [p["embed"], p["head"]]
         block = [p["layers"][0]["w"], p["layers"][0]["b"]]
+        self.k, self.replicas = k, replicas
         self.shards = 4 * (_shard_numel(root, k) + layers * _shard_numel(block, k))  # fp32 master shards
         self.root = k * _shard_numel(root, k) * param_bytes  # padded unsharded buffers, in param_dtype
         self.unit = k * _shard_numel(block, k) * param_bytes
-        self.send = _shard_numel(block, k) * param_bytes  # a block of two leaves sends a packed buffer
+        # a block of two leaves sends its (S,) shard buffer: the buffer its fp32 shards are views
+        # of ([Note: shards in one buffer]: no new bytes), or a packed copy cast to param_dtype
+        self.send = 0 if param_bytes == 4 else _shard_numel(block, k) * param_bytes
         self.gathered = self.root + layers * self.unit
         if reshard:
             self.peak_gathered = self.root + max(2 * self.unit, (prefetch + 1) * self.unit + prefetch * self.send)
@@ -144,7 +148,9 @@ def test_each_component_is_the_schedules(setup):
         # root, this block, the next one's output and send buffer), gloo's copy of that gather,
         # and this block's gradient three times: unsharded (w, b), packed (k, S), reduced (S,)
         unsharded = (D * D + D) * 4
-        low = s.peak_gathered + s.in_flight + unsharded + s.unit + s.send
+        # (HSDP: and the reduced shard's all-reduce over the replicas, a second (S,))
+        reduced = _shard_numel([(D, D), (D,)], s.k) * 4
+        low = s.peak_gathered + s.in_flight + unsharded + s.unit + reduced * (2 if s.replicas > 1 else 1)
         assert low <= est.peak_step_bytes <= low + 16 * 1024, (est.peak_step_bytes, low)
 
 

@@ -18,6 +18,7 @@ from .. import _tree
 from .._agree import check_same_everywhere
 from .._spec import block_index, chunk_bounds
 from .._init.describe import _check_seed, describe, sample
+from .plan import unit_buffer_views
 
 __all__ = ["init_shards", "local_bounds"]
 
@@ -36,8 +37,15 @@ def init_shards(step, init_fn, seed: int):
     )
     plan, _ = step._lay_out(_tree.unflatten(treedef, metas), paths, metas, treedef, allow_meta=True)
     bounds = local_bounds(plan, mesh, cfg.shard_axes, [p.shape for p in params])
+    into: list = [None] * len(params)  # [Note: shards in one buffer]: drawn straight into the unit buffers
+    for unit in plan.units:
+        shapes = [tuple(b - a for a, b in bounds[layout.index]) for layout in unit.sharded]
+        views = unit_buffer_views(unit, shapes, [params[layout.index].dtype for layout in unit.sharded], mesh.device)
+        for layout, view in zip(unit.sharded, views or ()):
+            into[layout.index] = view
     with torch.no_grad():
-        shards = [sample(param, path, seed, b, device=mesh.device) for param, path, b in zip(params, paths, bounds)]
+        shards = [sample(param, path, seed, b, device=mesh.device, out=out)
+                  for param, path, b, out in zip(params, paths, bounds, into)]
     return _tree.unflatten(treedef, shards)
 
 

@@ -25,7 +25,7 @@ from .._blocks import slice_block
 from .._spec import chunk_bounds
 from . import funcgrad, tp
 from .config import Config, MixedPrecision, make_config
-from .plan import Plan, build_plan
+from .plan import Plan, build_plan, in_unit_buffers
 from .batch import local_batch_size
 from .reduce import Stats
 from .runtime import RankState
@@ -73,7 +73,7 @@ class Shard:
                 start, stop = chunk_bounds(layout.rows, plan.k, index)
                 leaf = leaf[start:stop]
             shards.append(leaf.clone())
-        return _tree.unflatten(treedef, shards)
+        return _tree.unflatten(treedef, in_unit_buffers(plan, shards))  # [Note: shards in one buffer]
 
     def init_shards(self, init_fn, seed: int):
         """This rank's shards of a parameter tree described by `sf.init`, drawn on this rank only.

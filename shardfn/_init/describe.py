@@ -96,13 +96,17 @@ def block_seed(seed: int, path: tuple, block: int) -> int:
 
 
 def sample(param: Param, path: tuple, seed: int, bounds: Sequence[tuple[int, int]] | None = None,
-           device=None) -> torch.Tensor:
+           device=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The part `bounds` (one `(start, stop)` per dim; default: all) of the leaf's global
-    value, on `device`. [Note: N-independent random streams]"""
+    value, on `device` (written into `out` when given: that part's shape and the leaf's
+    dtype). [Note: N-independent random streams]"""
     shape = tuple(param.shape)
     full = shape if shape else (1,)  # a 0-dim leaf is one row of one element
     bounds = [(0, n) for n in full] if bounds is None or not shape else [tuple(b) for b in bounds]
-    out = torch.empty(tuple(b - a for a, b in bounds), dtype=param.dtype, device=device)
+    if out is None:
+        out = torch.empty(tuple(b - a for a, b in bounds), dtype=param.dtype, device=device)
+    elif not shape:
+        out = out.view(1)
     (a, b), rest = bounds[0], bounds[1:]
     if out.numel():
         # Random blocks are drawn in float32 (float64 for float64 leaves), then cast.
