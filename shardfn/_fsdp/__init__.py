@@ -14,8 +14,9 @@ The modules, in the order data flows through them:
   unit.py      one unit's lifecycle: its buffers, `UnitState`, the per-step `UnitStep`, and
                its transitions pre_forward / post_forward / pre_backward / post_backward
   schedule.py  `StepMode` (what kind of call runs) and `Schedule` (access order, prefetch)
-  runtime.py   per rank: `RankState`, when each unit transition runs, leaf resolution,
-               gradient reduction by step mode
+  reducer.py   per rank: `Reducer`, a unit's gradients -> its shard gradients by step mode
+               (at once, deferred, accumulated); it owns the deferred reduce-scatters
+  runtime.py   per rank: `RankState`, when each unit transition runs, leaf resolution
   view.py      shard's side of the params view (`make_view`, `current_scope`, `stacked`)
   funcgrad.py  `torch.func.grad(step)` of a step alone, run on that path below the transform
   step.py      the public `Shard` step and `shard()`

@@ -12,7 +12,7 @@ the step at a functorch grad level. Run as is, three costs come with it that
   shard's autograd Functions through its Python machinery for custom Functions (2.3x the
   Python calls of the step: 46.8k against 20.2k);
 - each unit's reduce-scatter is waited inside its backward (StepMode.EAGER): nothing
-  overlaps it ([Note: deferred reductions] in runtime.py needs the gradients to be
+  overlaps it ([Note: deferred reductions] in reducer.py needs the gradients to be
   autograd outputs that nothing reads before the backward ends).
 When the step is the only transform running, its gradient is a plain function of the
 shards: `StepGrad` computes it in its forward, with `Shard.grad_and_value` on the

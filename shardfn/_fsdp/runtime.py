@@ -11,7 +11,8 @@ What one rank keeps is split by how long it lives:
 - `RankState`: the above together. Its transitions `pre_forward` / `post_forward` /
   `pre_backward` / `post_backward` decide when each unit's transitions of the same names
   run; the autograd Functions of autograd.py call them and nothing else of the schedule.
-Gradient reduction itself is plain functions in reduce.py.
+- `Reducer` (reducer.py): a unit's gradients -> its shard gradients, deferred or at once;
+  the collectives themselves are plain functions in reduce.py.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from .autograd import GatherUnit, LossMean, plain
 from .batch import UNKNOWN
 from .groups import Groups
 from .held import Meter
-from .plan import Plan, UnitPlan, pack_grads
+from .plan import Plan
+from .reducer import Reducer
 from .schedule import Schedule, StepMode
 from .unit import UnitRuntime, UnitState, UnitStep
 from .view import current_scope, stacked
@@ -45,18 +47,7 @@ __all__ = ["RankStep", "RankState"]
 # after another in the forward (a layer stack); the patterns that do not are handled as
 # [Note: units used again later in the forward] says.
 
-# [Note: deferred reductions]
-# Under `Shard.grad_and_value` nothing reads the shard gradients before the backward
-# returns (they are `torch.autograd.grad` outputs, no AccumulateGrad), so a unit's
-# reduce-scatter can run while the backward of the units before it computes, and be
-# waited once at the end, followed by the all-reduces that complete it in place (HSDP,
-# tensor parallelism). Only when the shard gradients are views of its output: no cast,
-# no finiteness check, no vmap. At most _IN_FLIGHT of them are in flight: the process group
-# holds each one's packed (k, S) input, a whole unsharded unit, until it is waited, so a
-# unit's reduce-scatter first waits for the one two units back (FSDP2 keeps one in flight).
-# A quantized reduction ([Note: qgZ] in qgz.py) defers the same way: its all-to-all of
-# encoded rows is in flight (holding a quarter of the packed bytes for int8), and the
-# decode and float32 sum into the shard-gradient buffer happen at the wait.
+# [Note: units used again later in the forward] says.
 
 # [Note: units used again later in the forward]
 # The schedule frees a unit when the next one is entered, which assumes a unit's
@@ -78,7 +69,6 @@ __all__ = ["RankStep", "RankState"]
 
 
 _READ = "a parameter read inside a shard step gathers its unit eagerly: a graph break"
-_IN_FLIGHT = 2  # deferred reduce-scatters at once ([Note: deferred reductions])
 
 
 @dataclasses.dataclass
@@ -108,7 +98,7 @@ class RankState:
         self.units = [UnitRuntime(u, self.groups, self.stats, regather=regather and not u.is_root, check=check,
                                   encoded_meter=self.encoded) for u in plan.units]
         self.mode = StepMode.EAGER
-        self.deferred: list = []  # (ops.Pending, (*lead, S) output, finish_reduce kwargs) per deferred unit
+        self.reducer = Reducer(self.groups, config, mesh, self.stats)
         # The loss must be the same on every tensor-parallel rank: checked on the first call.
         self.loss_checked = self.groups.tp_size == 1
         self.step = RankStep()  # this step's record, built fresh by begin_step
@@ -235,63 +225,13 @@ class RankState:
 
     # -- gradients ------------------------------------------------------------------------
     def reduce_gradients(self, u: int, grads, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:
-        """Unit u's full-leaf grads -> this rank's shard grads (sharded leaves) and
-        all-reduced grads (whole leaves), as the step mode says."""
-        unit, g, cfg = self.units[u], self.groups, self.config
-        plan = unit.plan
-        n = len(plan.sharded)
-        sharded_grads, whole_grads = list(grads[:n]), list(grads[n:])
-        reduce_dtype = g.reduce_dtype or unit.dtype
-        if self.mode is StepMode.ACCUMULATE_HOLD:  # add to the local sums, reduce on the last micro-batch
-            if plan.sharded:
-                packed = pack_grads(plan, sharded_grads, reduce_dtype, g.device, lead)
-                unit.acc = packed if unit.acc is None else unit.acc + packed
-            if plan.replicated:
-                held = unit.acc_replicated or [None] * len(plan.replicated)
-                unit.acc_replicated = [_add(a, b) for a, b in zip(held, whole_grads)]
-            return reduce.zero_shard_grads(plan, g.shard_index, g.device, lead)
-        out: list[torch.Tensor] = []
-        if plan.sharded:
-            packed = pack_grads(plan, sharded_grads, reduce_dtype, g.device, lead)  # (k, *lead, S)
-            if unit.acc is not None:
-                packed, unit.acc = packed + unit.acc, None
-            finish = dict(replica_regions=plan.replica_regions, regions=plan.regions, mesh=self.mesh, stats=self.stats,
-                          fix=self.grad_fix)
-            if self._can_defer(plan, reduce_dtype, lead):  # [Note: deferred reductions]
-                flat = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
-                while len(self.deferred) >= _IN_FLIGHT:  # its packed input would stay alive until waited
-                    _settle(self.deferred.pop(0))
-                self.deferred.append((reduce.reduce_scatter(packed, g.shard, self.stats, out=flat, wire=g.reduce_wire),
-                                      flat, finish))
-                out.extend(reduce.shard_grads(plan, flat, g.shard_index, lead))  # filled by finish_deferred
-            else:
-                flat = reduce.reduce_scatter(packed, g.shard, self.stats, wire=g.reduce_wire).wait()  # (*lead, S)
-                reduce.finish_reduce(flat, **finish)
-                if cfg.check_finite:
-                    reduce.check_finite(flat, f"the gradient of {plan.name()}", group=g.all, stats=self.stats)
-                out.extend(reduce.shard_grads(plan, flat, g.shard_index, lead))
-        if plan.replicated:
-            if unit.acc_replicated is not None:
-                whole_grads = [_add(a, b) for a, b in zip(whole_grads, unit.acc_replicated)]
-                unit.acc_replicated = None
-            out.extend(reduce.all_reduce_replicated(
-                plan.replicated, whole_grads, shard_axes=cfg.shard_axes, mesh=self.mesh,
-                reduce_dtype=g.reduce_dtype, device=g.device, lead=lead, stats=self.stats, fix=self.grad_fix))
-        return out
-
-    def _can_defer(self, plan: UnitPlan, reduce_dtype, lead) -> bool:
-        """[Note: deferred reductions]"""
-        return (
-            self.mode is StepMode.DEFERRED and not lead and not self.config.check_finite
-            and all(layout.dtype == reduce_dtype for layout in plan.sharded)
-        )
+        """Unit u's full-leaf grads -> this rank's shard grads and all-reduced whole-leaf
+        grads, as the step mode says (reducer.py)."""
+        return self.reducer.reduce(self.units[u], grads, self.mode, self.grad_fix, lead)
 
     def finish_deferred(self, complete: bool = True) -> None:
-        """Wait for the deferred reduce-scatters; when the backward completed, finish them
-        (after a failure, no further collective is started)."""
-        pending, self.deferred = self.deferred, []
-        for entry in pending:
-            _settle(entry, complete)
+        """Wait for the deferred reduce-scatters; when the backward completed, finish them."""
+        self.reducer.finish(complete)
 
     # -- checks ---------------------------------------------------------------------------
     def check_loss(self, loss: torch.Tensor) -> None:
@@ -314,18 +254,3 @@ class RankState:
                 f"{axes} the same batch and reduce the loss over them (sf.psum / all_gather) so it is "
                 f"the same there; or, if those axes split the batch, add them to data_axes."
             )
-
-
-def _settle(entry, complete: bool = True) -> None:
-    """Wait for a deferred reduce-scatter `(work, flat, finish kwargs)`; if `complete`, finish
-    its gradient in place (the HSDP / tensor-parallel all-reduces, the 1/N fix)."""
-    work, flat, finish = entry
-    work.wait()
-    if complete:
-        reduce.finish_reduce(flat, **finish)
-
-
-def _add(a, b):
-    if a is None:
-        return b
-    return a if b is None else a + b
