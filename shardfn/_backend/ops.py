@@ -334,42 +334,23 @@ def reduce_scatter(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 @_plain_op
 def all_to_all(group: Group, x: torch.Tensor, split_dim: int, concat_dim: int) -> torch.Tensor:
-    """Send block i of `split_dim` to rank i; concatenate received blocks along `concat_dim`."""
+    """Send block i of `split_dim` to rank i; concatenate received blocks along `concat_dim`.
+    (`all_to_all_async` with the blocks moved to the front, waited at once.)"""
     if group.size == 1:
         return x.detach().clone()
     k = group.size
     moved = x.detach().movedim(split_dim, 0)
-    m = moved.shape[0] // k
-    blocks = _blocks_to_pg(group, moved.reshape((k, m) + tuple(moved.shape[1:]))).contiguous()
-    out = torch.empty_like(blocks)
-    _note("all_to_all", group, blocks)
-
-    def finish(received: torch.Tensor) -> torch.Tensor:
-        received = _blocks_to_logical(group, received)  # (k, m, *rest): source-major blocks
-        received = received.movedim(1, split_dim + 1)  # each block back in x's dim order
-        return received.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
-
-    if x.is_meta:  # [Note: meta tensors]
-        return finish(out)
-
-    def direct():
-        work = group.pg.alltoall_base(out, blocks, [], [], dist.AllToAllOptions())
-        return work, lambda: finish(out)
-
-    def fallback():
-        gathered = all_gather_async(group, blocks).wait()  # (k_src, k_dst, m, *rest), logical src
-        mine = gathered[:, _pg_index(group)]  # blocks were laid out by destination pg rank
-        return finish(_blocks_to_pg(group, mine))
-
-    return _issue(group, "all_to_all", x, direct, fallback).wait()
+    blocks = moved.reshape((k, moved.shape[0] // k) + tuple(moved.shape[1:]))
+    received = all_to_all_async(group, blocks, describe=x).wait()  # (k, m, *rest): source-major blocks
+    received = received.movedim(1, split_dim + 1)  # each block back in x's dim order
+    return received.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
 
 
-@_plain_op
-def all_to_all_async(group: Group, x: torch.Tensor) -> Pending:
+def all_to_all_async(group: Group, x: torch.Tensor, describe: torch.Tensor | None = None) -> Pending:
     """Start an all-to-all of equal blocks: `x` is (k, *block), block j for logical index j;
-    `wait()` returns (k, *block), block i received from logical index i. (`all_to_all`
-    above is this with dims moved, waited at once; the recording notes `x`, the buffer
-    this rank hands over, as `all_to_all` notes its blocks.)"""
+    `wait()` returns (k, *block), block i received from logical index i. The recording notes
+    the blocks this rank hands over; errors describe `describe` (the caller's tensor) if
+    given, else `x`."""
     x = x.detach().contiguous()
     blocks = _blocks_to_pg(group, x).contiguous()
     recv = torch.empty_like(blocks)
@@ -385,7 +366,7 @@ def all_to_all_async(group: Group, x: torch.Tensor) -> Pending:
         gathered = all_gather_async(group, blocks).wait()  # (k_src, k_dst, ...), logical src
         return gathered[:, _pg_index(group)]  # blocks were laid out by destination pg rank
 
-    return _issue(group, "all_to_all", x, direct, fallback)
+    return _issue(group, "all_to_all", x if describe is None else describe, direct, fallback)
 
 
 @_plain_op
