@@ -263,18 +263,23 @@ class Shard:
             )
         return plan
 
+    def _existing_state(self, plan: Plan) -> RankState | None:
+        """This rank's RankState for `plan` if it has one (a stale entry of a freed plan whose
+        id was reused is not)."""
+        state = self._states.get((self.mesh.rank, id(plan)))
+        return state if state is not None and state.plan is plan else None
+
     def _state(self, plan: Plan) -> RankState:
-        key = (self.mesh.rank, id(plan))
-        state = self._states.get(key)
-        if state is None or state.plan is not plan:
-            state = self._states[key] = RankState(plan, self.mesh, self.config)
+        state = self._existing_state(plan)
+        if state is None:
+            state = self._states[(self.mesh.rank, id(plan))] = RankState(plan, self.mesh, self.config)
         return state
 
     def _mode(self, plan: Plan) -> StepMode:
         """This rank's step mode for `plan`, without creating its RankState (which, made
         under a transform, would hold that transform's tensors)."""
-        state = self._states.get((self.mesh.rank, id(plan)))
-        return state.mode if state is not None and state.plan is plan else StepMode.EAGER
+        state = self._existing_state(plan)
+        return state.mode if state is not None else StepMode.EAGER
 
     def _check_shards(self, plan: Plan, paths, leaves, index: int) -> None:
         for layout, path, leaf in zip(plan.leaves, paths, leaves):
