@@ -299,7 +299,7 @@ def packed_view(unit: UnitPlan, shards: list[torch.Tensor], dtype: torch.dtype) 
     `unit_buffer_views` put them in it (an in-place optimizer keeps them there), else None.
     Found by the address its first leaf implies (the runtime sees detached aliases of
     the leaves, which have no `_base`) and checked leaf by leaf."""
-    if not shards or shards[0].dtype != dtype:
+    if not shards or shards[0].dtype != dtype or torch.compiler.is_compiling():  # a graph packs: no addresses
         return None
     try:
         key = _start_key(shards[0], unit.sharded[0].offset)
