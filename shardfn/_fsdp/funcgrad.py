@@ -144,6 +144,9 @@ class StepGrad(torch.autograd.Function):
         if g is None:  # the loss itself was not used
             return (None,) * (4 + len(grads) + ctx.n_rest)
         floats = [i for i, x in enumerate(grads) if x.is_floating_point()]
+        if _is_one(g):  # torch.func.grad's own cotangent: the grads as they are, no pass over them
+            return (None, None, None, None, *[grads[i] if x.is_floating_point() else None for i, x in enumerate(grads)],
+                    *([None] * ctx.n_rest))
         if not _functorch.is_functorch_wrapped_tensor(g) and all(grads[i].dtype == g.dtype for i in floats):
             scaled = torch._foreach_mul([grads[i] for i in floats], g)  # one op for all leaves
         else:  # a batched cotangent (jacrev), or dtypes to promote
@@ -152,6 +155,14 @@ class StepGrad(torch.autograd.Function):
         for i, x in zip(floats, scaled):
             out[i] = x
         return (None, None, None, None, *out, *([None] * ctx.n_rest))
+
+
+def _is_one(g: torch.Tensor) -> bool:
+    """Whether the loss's cotangent is the scalar 1 (`grad` / `grad_and_value` pass
+    `ones_like(loss)`): read on the CPU only (on an accelerator the read would be a host
+    sync each step, and the multiply it saves is cheap there)."""
+    return (g.device.type == "cpu" and g.dim() == 0 and not _functorch.is_functorch_wrapped_tensor(g)
+            and bool(g == 1))
 
 
 class _Captured(TorchFunctionMode):
