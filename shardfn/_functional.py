@@ -35,7 +35,8 @@ from torch import nn
 from ._compile import CompiledForward, OnRequest, compile_context, compile_options, not_traced
 from ._errors import SpecError
 from ._tree import keystr
-from ._params_view import together
+from ._bind import Binding
+from ._params_view import ParamsView, together
 from ._init.buffers import fill_meta_buffers
 from ._remat_modules import checkpointing, takes_use_cache, turn_off_checkpointing, without_cache
 
@@ -69,6 +70,10 @@ def _walk(module: nn.Module, path: tuple, name: str, seen: set[int], leaves: lis
 
 def _get(tree, path):
     """The leaf of `tree` at `path`; a SpecError naming the path if the tree has none there."""
+    if isinstance(tree, ParamsView):  # a shard step's view: straight to the leaf
+        leaf = tree.find(path)
+        if leaf is not None:
+            return leaf
     node = tree
     for depth, key in enumerate(path):
         if not _has(node, key):
@@ -230,17 +235,22 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
                             child_name)
         return copy_
 
+    root_names = [name for _, name in root]
+
     @not_traced(_APPLY_EAGER, warn=True)  # [Note: no whole-step graph] in _compile.py
     def apply_fn(params, *args, **kwargs):
         if no_cache:
             kwargs = without_cache(kwargs, module)
         with together(held=True):  # bound for the whole forward (embeddings, a tied head)
-            bound = {name: _get(params, p) for p, name in root}
+            bound = [_get(params, p) for p, _ in root]
         m = thread_module(_device_of(bound, args, kwargs) if meta_buffers else None)
+        binding = getattr(local, "root_binding", None)
+        if binding is None or binding.module is not m:
+            binding = local.root_binding = Binding(m, root_names)
         previous = getattr(local, "params", None)
         local.params = params
         try:
-            return torch.func.functional_call(m, bound, args, kwargs, strict=False)
+            return binding.call(bound, args, kwargs)  # [Note: binding without functional_call]
         finally:
             local.params = previous
 
@@ -267,9 +277,9 @@ _APPLY_EAGER = (
 _BLOCK_EAGER = "the gather of a block's unit runs eagerly, between graphs ([Note: compiled blocks])"
 
 
-def _device_of(bound: dict, args, kwargs) -> torch.device:
+def _device_of(bound: list, args, kwargs) -> torch.device:
     """The device of the forward's tensors (parameters first), for the buffers computed there."""
-    tensors = [*bound.values(), *args, *kwargs.values()]
+    tensors = [*bound, *args, *kwargs.values()]
     return next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "meta"),
                 torch.device("cpu"))
 
@@ -294,12 +304,13 @@ def _bind_child(child: nn.Module, paths, local, remat=None, compiler=None, name:
     elif remat is None:  # compiled when a torch.compile'd step runs it ([Note: blocks compiled on request])
         original = OnRequest(original)
     active = threading.local()
+    binding = Binding(child, [name for _, name in paths])  # [Note: binding without functional_call]
 
     def run(unit, *args, **kwargs):  # the child's own forward, with its unit's parameters
         before = getattr(active, "on", False)
         active.on = True
         try:
-            return torch.func.functional_call(child, unit, args, kwargs, strict=False)
+            return binding.call(unit, args, kwargs)
         finally:
             active.on = before
 
@@ -314,7 +325,7 @@ def _bind_child(child: nn.Module, paths, local, remat=None, compiler=None, name:
         if getattr(active, "on", False):
             return original(*args, **kwargs)
         with together():  # one block's leaves may span units (frozen=, units=): fetched at once
-            unit = {name: _get(local.params, p) for p, name in paths}
+            unit = [_get(local.params, p) for p, _ in paths]
         return run(unit, *args, **kwargs)
 
     child.forward = forward

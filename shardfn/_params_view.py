@@ -74,6 +74,22 @@ class ParamsView:
             return ViewList(child, self._resolve)
         return child
 
+    def find(self, path: tuple):
+        """The full leaf at `path` below this view (resolved), or None when there is no leaf
+        there; no view is made for the levels in between."""
+        node = self._node
+        for key in path:
+            if isinstance(node, Mapping):
+                if key not in node:
+                    return None
+            elif isinstance(node, (list, tuple)):
+                if not (isinstance(key, int) and -len(node) <= key < len(node)):
+                    return None
+            else:
+                return None
+            node = node[key]
+        return self._resolve(node.index) if isinstance(node, _Leaf) else None
+
     def __setitem__(self, key, value):
         raise TypeError(
             "the params seen by a shard loss_fn are a read-only view of the gathered parameters; "
