@@ -190,13 +190,14 @@ def _shardfn(spec, mesh, batch, fused=False, compile_=False, compile_step=False,
     return Trainer(*shardfn_trainer(step, params, batch, fused=fused, compile_step=compile_step), shard_step=step)
 
 
-def _shardfn_jaxloop(spec, mesh, batch):
+def _shardfn_jaxloop(spec, mesh, batch, fused=True):
     """The loop the docs teach, as a user writes it: `torch.func.grad_and_value(step)`, then
     `opt.update` + `sf.optim.apply_updates`, then `float(loss)`, with the optimizer of
-    `shardfn-fused` (its `sf.train_step`): compare the two."""
+    `shardfn-fused` (its `sf.train_step`): compare the two. `fused=False`: the docs'
+    default `sf.optim.adamw(lr)` (pure: new state and new shards each step)."""
     apply_fn, params = sf.functional(build_model(spec))
     step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
-    opt = sf.optim.adamw(LR, weight_decay=0.0, fused=True)
+    opt = sf.optim.adamw(LR, weight_decay=0.0, fused=True) if fused else sf.optim.adamw(LR, weight_decay=0.0)
     state = {"shards": step.shard_params(params)}
     state["opt"] = opt.init(state["shards"])
 
@@ -252,7 +253,8 @@ METHODS = {
     "fsdp2-fused": lambda s, m, b: _fsdp2(s, m, b, fused=True),
     "ddp": _ddp,
 }
-LOOPS = {"shardfn-jaxloop": _shardfn_jaxloop}  # not in the default run: --methods shardfn-jaxloop ...
+LOOPS = {"shardfn-jaxloop": _shardfn_jaxloop,
+         "shardfn-jaxloop-pure": lambda s, m, b: _shardfn_jaxloop(s, m, b, fused=False)}  # not in the default run: --methods shardfn-jaxloop ...
 COMPILED = {
     "shardfn-compiled": lambda s, m, b: _shardfn(s, m, b, fused=True, compile_=True),
     "shardfn-compiled-step": lambda s, m, b: _shardfn(s, m, b, fused=True, compile_step=True),
