@@ -16,6 +16,7 @@ Methods (`METHODS`):
   ddp               DistributedDataParallel (no buffer broadcast, gradients as bucket views) + AdamW(fused=True)
   shardfn-jaxloop   (opt-in) torch.func.grad_and_value(step), opt.update + sf.optim.apply_updates, float(loss):
                     the loop the docs teach, with shardfn-fused's optimizer
+  shardfn-jaxloop-pure (opt-in) the same loop with the docs' default sf.optim.adamw(lr): pure updates
   --compressed adds: shardfn-wire-bf16 / -fp8 / -int8 (MixedPrecision(all_gather_dtype=w,
                     reduce_scatter_dtype=w), fused AdamW; fp32 masters and compute) and fsdp2-bf16
                     (MixedPrecisionPolicy(param_dtype=bf16): bf16 all-gather and compute)
@@ -253,8 +254,9 @@ METHODS = {
     "fsdp2-fused": lambda s, m, b: _fsdp2(s, m, b, fused=True),
     "ddp": _ddp,
 }
+# not in the default run: --methods shardfn-jaxloop ...
 LOOPS = {"shardfn-jaxloop": _shardfn_jaxloop,
-         "shardfn-jaxloop-pure": lambda s, m, b: _shardfn_jaxloop(s, m, b, fused=False)}  # not in the default run: --methods shardfn-jaxloop ...
+         "shardfn-jaxloop-pure": lambda s, m, b: _shardfn_jaxloop(s, m, b, fused=False)}
 COMPILED = {
     "shardfn-compiled": lambda s, m, b: _shardfn(s, m, b, fused=True, compile_=True),
     "shardfn-compiled-step": lambda s, m, b: _shardfn(s, m, b, fused=True, compile_step=True),
@@ -472,6 +474,8 @@ def ratios(row: dict) -> dict:
         "jaxloop: loop / train_step (fused)": r("shardfn-jaxloop", "shardfn-fused"),
         "jaxloop: loop / fsdp2 (fused)": r("shardfn-jaxloop", "fsdp2-fused"),
         "jaxloop: loop / ddp": r("shardfn-jaxloop", "ddp"),
+        "jaxloop-pure: loop / train_step (fused)": r("shardfn-jaxloop-pure", "shardfn-fused"),
+        "jaxloop-pure: loop / ddp": r("shardfn-jaxloop-pure", "ddp"),
         "traced: sf.jit / eager (fused)": r("shardfn-traced", "shardfn-fused"),
         "traced: sf.jit / ddp": r("shardfn-traced", "ddp"),
         "traced: sf.jit / fsdp2-compiled": r("shardfn-traced", "fsdp2-compiled"),

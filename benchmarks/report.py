@@ -32,7 +32,8 @@ END = "<!-- end generated: {} -->"
 NAMES = {"shardfn-foreach": "shardfn foreach", "shardfn-fused": "shardfn fused", "fsdp2-foreach": "FSDP2 foreach",
          "fsdp2-fused": "FSDP2 fused", "ddp": "DDP (fused)", "shardfn-compiled": "shardfn compiled", "shardfn-compiled-step": "shardfn torch.compile(train)",
          "fsdp2-compiled": "FSDP2 compiled",
-         "shardfn-jaxloop": "shardfn JAX-style loop", "shardfn-traced": "shardfn sf.jit (traced)",
+         "shardfn-jaxloop": "shardfn JAX-style loop", "shardfn-jaxloop-pure": "shardfn JAX-style loop, pure adamw",
+         "shardfn-traced": "shardfn sf.jit (traced)",
          "shardfn-wire-bf16": "shardfn bf16 wire", "shardfn-wire-fp8": "shardfn fp8 wire",
          "shardfn-wire-int8": "shardfn int8 wire", "fsdp2-bf16": "FSDP2 bf16 params"}
 # (what, the ratio's key in fsdp_vs_ddp.ratios, at most, the world sizes); on every GPT row
@@ -393,6 +394,10 @@ def sections(results: str = RESULTS) -> dict[str, str]:
     traced = load("fsdp_vs_ddp_traced", results)
     if traced is not None:
         out["traced"] = step_time_table(traced) + "\n\n" + ratio_table(traced)
+    loops = load("fsdp_vs_ddp_loops", results)
+    if loops is not None:
+        out["loops"] = (step_time_table(loops) + "\n\n" + ratio_table(loops) + "\n\n"
+                        + "\n\n".join(cpu_table(loops, world) for world in (2, 4)))
     piped = load("pipeline", results)
     if piped is not None:
         from benchmarks.pipeline import render
