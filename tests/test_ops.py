@@ -274,3 +274,42 @@ def test_logical_group_reference():
     assert logical_group(3, shape, ("y",)) == [2, 3]
     assert [logical_group(r, {"a": 2, "b": 3}, ("b", "a")) for r in (4,)] == [[0, 3, 1, 4, 2, 5]]
     assert list(itertools.chain(*(coords_of(r, shape).values() for r in range(4)))) == [0, 0, 0, 1, 1, 0, 1, 1]
+
+
+# -- [Note: gloo's reduce-scatter]: two ranks exchange blocks and add -----------------------
+
+
+def _gloo_reduce_scatter_body(mesh):
+    import torch.distributed as dist
+
+    group = mesh.group(("data",))
+    out = {}
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        g = torch.Generator().manual_seed(100 + mesh.rank)
+        x = torch.randn(2, 7, 3, generator=g, dtype=torch.float64).to(dtype)  # not exact in every order
+        blocks = ops.all_gather(group, x.unsqueeze(0), 0)  # (2_src, 2, 7, 3): both ranks' inputs
+        gloo = torch.empty(7, 3, dtype=dtype)  # gloo's own reduce-scatter
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        group.pg._reduce_scatter_base(gloo.view(-1), x.reshape(-1), opts).wait()
+        out[str(dtype)] = (ops.reduce_scatter_async(group, x).wait(), blocks[0, mesh.rank] + blocks[1, mesh.rank], gloo)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["simulated", pytest.param("distributed", marks=pytest.mark.multiprocess)])
+def test_gloo_reduce_scatter_of_two_is_the_exchange_sum(backend):
+    """On a gloo group of two the reduce-scatter is an exchange and an add: bit for bit the
+    blocks' sum and gloo's own op, in every dtype."""
+    for rank, out in enumerate(run_on_mesh(_gloo_reduce_scatter_body, {"data": 2}, backend)):
+        for dtype, (got, want, gloo) in out.items():
+            assert got.dtype == want.dtype and got.shape == (7, 3), dtype
+            assert torch.equal(got, want) and torch.equal(got, gloo), (rank, dtype)
+
+
+def test_gloo_reduce_scatter_takes_the_exchange_for_two_ranks_only(monkeypatch):
+    calls = []
+    real = ops._sum_by_exchange
+    monkeypatch.setattr(ops, "_sum_by_exchange", lambda *a: calls.append(a[0].size) or real(*a))
+    for k in (2, 3):
+        run_on_mesh(lambda mesh: ops.reduce_scatter(mesh.group(("data",)), torch.ones(2 * k, 3), 0), {"data": k})
+    assert calls == [2, 2]  # both ranks of the 2-rank mesh; gloo's own op on 3
