@@ -5,8 +5,9 @@ with the search for the slots done once.
 `torch.func.functional_call(module, {name: tensor}, args)` swaps each named parameter for
 the tensor, calls the module and swaps them back. Each call it also walks the whole module
 tree to find tied parameters (`named_parameters(remove_duplicate=False)`, every submodule's
-`named_modules`) and resolves every dotted name again: on the GPT 4L of the benchmarks,
-about 2,500 of the 18,500 Python calls of a shard step, for a tree that never changes.
+`named_modules`) and resolves every dotted name again, for a tree that never changes (a
+shard step of the benchmarks' GPT 4L made 18.5k Python calls; 11.0k with `Binding` and
+`ParamsView.find`, a main-thread saving of about 0.5 ms a step on this CPU).
 `Binding` does that walk once per (module, names): for every name, every (submodule,
 attribute) slot that holds the same Parameter object (ties included, as functional_call's
 `tie_weights=True` binds them), then each call writes the tensors into those slots'
