@@ -79,6 +79,7 @@ def _mlp_parity(backend: str, sizes, traced_steps: int):
             out["rescheduled"] = train.record.rescheduled
             out["backward_gathers"] = train.record.backward_gathers
             out["overlapped"], out["pinned"] = train.record.overlapped, train.record.pinned
+            out["exchanged"] = train.record.exchanged
             _train(train, shards, opt.init(shards), batches[STEPS:n])
             out["dynamo"] = _dynamo_counts()
     out["param_diff"] = _max_diff(out["eager"]["shards"], out["traced"]["shards"])
@@ -146,6 +147,7 @@ def test_traced_mlp_matches_eager_one_graph():
         assert out["dynamo"] == {"unique_graphs": 1, "graph_breaks": 0}
         assert out["rescheduled"] and out["backward_gathers"] == want["units"] - 1
         assert out["overlapped"] == _overlapped(want["units"], prefetch=1) and out["pinned"] == 0  # aot_eager: FX order
+        assert out["exchanged"] == want["units"]  # gloo, two ranks: every reduce-scatter an exchange
         # bytes: eager's recording, the graph's count, and the formulas agree
         assert eager["stats"]["all_gather_bytes"] == want["eager_all_gather"]
         assert traced["stats"]["all_gather_bytes"] == want["traced_all_gather"]
@@ -168,6 +170,7 @@ def test_traced_mlp_inductor_matches_eager():
         # the schedule's order, written as inductor dependencies (checked in its output code
         # once: docs/fsdp_design.md "Traced step")
         assert out["overlapped"] == _overlapped(len(sizes) - 1, prefetch=1) and out["pinned"] > 0
+        assert out["exchanged"] == len(sizes) - 1
 
 
 def _memory(backend: str, reshard: bool, optimizer: str):

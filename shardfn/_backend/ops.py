@@ -336,7 +336,8 @@ def reduce_scatter_async(group: Group, x: torch.Tensor, out: torch.Tensor | None
 # the simulated and the distributed backends. With more ranks the all-to-all would need a
 # (k, block) receive buffer, a whole unsharded unit per reduction in flight, so gloo's op
 # stays (measured at N = 4 it took 7.7 / 31 / 130 ms against 2.1 / 16 / 58 ms: the time
-# would buy memory). Other backends (NCCL) keep their op.
+# would buy memory). Other backends (NCCL) keep their op. The traced step rewrites its
+# graph's reduce-scatters the same way (`exchange_pairs` in `shardfn/_traced/collectives.py`).
 
 
 def _sum_by_exchange(group: Group, x_pg: torch.Tensor, out: torch.Tensor):

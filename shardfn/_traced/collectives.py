@@ -21,8 +21,9 @@ to `reduce_dtype` first (mixed precision), as the eager runtime does.
 from __future__ import annotations
 
 import torch
+import torch.fx
 
-__all__ = ["GatherFlat", "all_reduce_sum"]
+__all__ = ["GatherFlat", "all_reduce_sum", "exchange_pairs"]
 
 
 def _all_gather(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
@@ -57,3 +58,55 @@ class GatherFlat(torch.autograd.Function):
     def backward(ctx, grad):
         reduced = _reduce_scatter(grad.to(ctx.reduce_dtype).contiguous(), ctx.k, ctx.name)
         return reduced.to(ctx.dtype), None, None, None, None
+
+
+def _exchange_rank(name: str) -> int | None:
+    """This rank's index in group `name` when its reduce-scatters are exchanges (a gloo group
+    of two ranks: [Note: gloo's reduce-scatter] in `_backend/ops.py`), else None."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = _resolve_process_group(name)
+    if pg.size() != 2 or pg._get_backend_name() != "gloo":
+        return None
+    return dist.get_rank(pg)
+
+
+def exchange_pairs(graph: torch.fx.Graph) -> int:
+    """[Note: gloo's reduce-scatter] in the graph: each 1-D `reduce_scatter_tensor` over a
+    gloo group of two ranks becomes the exchange the eager runtime uses, an
+    `all_to_all_single` that sends the other rank its block (none to itself) and receives
+    the other's block, then the sum with this rank's own block. The same bytes leave the
+    rank and the sum is gloo's bit for bit (a + b == b + a); gloo's op took longer than an
+    all-reduce of the same buffer. Run after the schedule pass has placed and counted the
+    reduce-scatters: the all-to-all stands where the reduce-scatter stood, its wait where
+    the wait stood. Returns the number rewritten. The graph is rank-specific after it."""
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    count = 0
+    for node in list(graph.nodes):
+        if node.target is not c10d.reduce_scatter_tensor.default:
+            continue
+        x, op, k, name = node.args
+        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        wait = next((u for u in node.users if u.target is c10d.wait_tensor.default), None)
+        if op != "sum" or k != 2 or wait is None or val is None or val.dim() != 1 or len(node.users) != 1:
+            continue
+        me = _exchange_rank(name)
+        if me is None:
+            continue
+        block = val.shape[0] // 2
+        splits = [0 if j == me else block for j in range(2)]
+        with graph.inserting_before(node):
+            other = graph.call_function(aten.slice.Tensor, (x, 0, (1 - me) * block, (2 - me) * block))
+            sent = graph.call_function(c10d.all_to_all_single.default, (other, splits, splits, name))
+        with graph.inserting_before(wait):
+            received = graph.call_function(c10d.wait_tensor.default, (sent,))
+            own = graph.call_function(aten.slice.Tensor, (x, 0, me * block, (me + 1) * block))
+            total = graph.call_function(aten.add.Tensor, (received, own))
+        for new, like in ((other, node), (sent, node), (received, wait), (own, wait), (total, wait)):
+            new.meta = dict(like.meta)
+        wait.replace_all_uses_with(total)
+        graph.erase_node(wait)
+        graph.erase_node(node)
+        count += 1
+    return count

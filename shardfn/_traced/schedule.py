@@ -65,10 +65,13 @@ import hashlib
 import torch
 import torch.fx
 
+from .collectives import exchange_pairs
+
 __all__ = ["TrafficRecord", "schedule_units", "SchedulePass", "order_constraints", "pin_order", "pin_pass"]
 
 _C = torch.ops._c10d_functional
-_STARTS = (_C.all_gather_into_tensor.default, _C.reduce_scatter_tensor.default, _C.all_reduce.default)
+_STARTS = (_C.all_gather_into_tensor.default, _C.reduce_scatter_tensor.default, _C.all_reduce.default,
+           _C.all_to_all_single.default)
 
 
 def _is_compute(node) -> bool:
@@ -97,6 +100,7 @@ class TrafficRecord:
     overlapped: int = 0  # collectives with a compute node between their issue and their wait
     pinned: int = 0  # order constraints written for inductor (`pin_order`)
     rescheduled: bool = False  # the pass matched every forward all-gather to its unit
+    exchanged: int = 0  # reduce-scatters run as a two-rank exchange (`exchange_pairs`)
     graphs: int = 0  # graphs the pass has seen (one per compile)
 
     def stats(self) -> dict[str, int]:
@@ -209,6 +213,7 @@ def schedule_units(graph: torch.fx.Graph, reshard: tuple[bool, ...], record: Tra
         _place_reduce_scatters(graph)
         graph.eliminate_dead_code()  # copies no backward op reads
     _count(graph, record)
+    record.exchanged = exchange_pairs(graph)
 
 
 def _issue_early(groups: list, prefetch: int) -> None:
@@ -352,7 +357,8 @@ class SchedulePass:
                 schedule_units(graph, reshard, record, prefetch)
 
             def uuid(self):
-                return hashlib.sha256(repr(("shardfn-traced-schedule-2", reshard, prefetch)).encode()).digest()
+                rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0  # exchange_pairs
+                return hashlib.sha256(repr(("shardfn-traced-schedule-3", reshard, prefetch, rank)).encode()).digest()
 
         return _Pass()
 
