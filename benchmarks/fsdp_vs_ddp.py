@@ -25,6 +25,9 @@ Methods (`METHODS`):
                     shardfn-compiled-step (torch.compile(sf.train_step(...)) of the plain model) and
                     shardfn-traced (sf.jit: forward, backward, reduce-scatters and AdamW in one inductor
                     graph; the model applied with sf.traced_apply; pure AdamW)
+  opt-in:           shardfn-noreshard / fsdp2-noreshard (reshard_after_forward=False, fused AdamW): no
+                    re-gather in the backward, DDP's bytes on the wire, the whole model gathered through
+                    the step (ZeRO-2's memory)
 
     python -m benchmarks.fsdp_vs_ddp                        # 3 models x N = 1, 2, 4 (tens of minutes)
     python -m benchmarks.fsdp_vs_ddp --tiny                 # seconds; what the test suite runs
@@ -184,10 +187,10 @@ class Trainer:
     shard_step: object = None  # shardfn's step, for its stats()
 
 
-def _shardfn(spec, mesh, batch, fused=False, compile_=False, compile_step=False, wire=None):
+def _shardfn(spec, mesh, batch, fused=False, compile_=False, compile_step=False, wire=None, reshard=True):
     apply_fn, params = sf.functional(build_model(spec), compile=compile_)
     mp = None if wire is None else sf.MixedPrecision(all_gather_dtype=wire, reduce_scatter_dtype=wire)
-    step = sf.shard(lambda p, b: apply_fn(p, *b), mesh, mixed_precision=mp)
+    step = sf.shard(lambda p, b: apply_fn(p, *b), mesh, mixed_precision=mp, reshard_after_forward=reshard)
     return Trainer(*shardfn_trainer(step, params, batch, fused=fused, compile_step=compile_step), shard_step=step)
 
 
@@ -225,7 +228,7 @@ def _shardfn_traced(spec, mesh, batch):
     return Trainer(*train_loop(sf.jit(step, opt), step, opt, params, batch))
 
 
-def _fsdp2(spec, mesh, batch, fused=False, compile_=False, param_dtype=None):
+def _fsdp2(spec, mesh, batch, fused=False, compile_=False, param_dtype=None, reshard=True):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build_model(spec)
@@ -233,8 +236,8 @@ def _fsdp2(spec, mesh, batch, fused=False, compile_=False, param_dtype=None):
     for block in blocks_of(model):
         if compile_:
             block.compile()
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
     return Trainer(*torch_trainer(model, batch, fused=fused))
 
 
@@ -273,7 +276,14 @@ COMPRESSED = {
     "shardfn-wire-int8": lambda s, m, b: _shardfn(s, m, b, fused=True, wire="int8"),
     "fsdp2-bf16": lambda s, m, b: _fsdp2(s, m, b, fused=True, param_dtype=torch.bfloat16),
 }
-ALL_METHODS = {**METHODS, **LOOPS, **COMPILED, **COMPRESSED}
+# Without the backward's re-gather (ZeRO-2's traffic: one all-gather and one reduce-scatter
+# per unit and step, DDP's bytes; the unsharded parameters live from their gather to their
+# backward, so the step's peak holds the whole model).
+NORESHARD = {
+    "shardfn-noreshard": lambda s, m, b: _shardfn(s, m, b, fused=True, reshard=False),
+    "fsdp2-noreshard": lambda s, m, b: _fsdp2(s, m, b, fused=True, reshard=False),
+}
+ALL_METHODS = {**METHODS, **LOOPS, **COMPILED, **COMPRESSED, **NORESHARD}
 
 
 # -- one world size: every method in the same processes -------------------------------------
@@ -445,7 +455,8 @@ def best(row: dict, family: str) -> tuple[str, float] | None:
     t = row["step_s"]
     both_compiled = "shardfn-compiled" in t and "fsdp2-compiled" in t
     cands = [m for m in t if m.startswith(family + "-") and (both_compiled or "-compiled" not in m)
-             and m not in COMPRESSED and m != "shardfn-traced"]  # other numerics / graphs: their own ratios
+             and m not in COMPRESSED and m not in NORESHARD and m != "shardfn-traced"]  # other numerics, graphs or
+    # memory (the whole model gathered through the step): their own ratios
     if not cands:
         return None
     m = min(cands, key=t.get)
@@ -479,6 +490,9 @@ def ratios(row: dict) -> dict:
         "traced: sf.jit / eager (fused)": r("shardfn-traced", "shardfn-fused"),
         "traced: sf.jit / ddp": r("shardfn-traced", "ddp"),
         "traced: sf.jit / fsdp2-compiled": r("shardfn-traced", "fsdp2-compiled"),
+        "noreshard: shardfn / ddp": r("shardfn-noreshard", "ddp"),
+        "noreshard: shardfn / fsdp2": r("shardfn-noreshard", "fsdp2-noreshard"),
+        "noreshard: shardfn / reshard (fused)": r("shardfn-noreshard", "shardfn-fused"),
     }
 
 
