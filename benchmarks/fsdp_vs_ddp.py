@@ -454,9 +454,9 @@ def best(row: dict, family: str) -> tuple[str, float] | None:
     count only when both families have one (FSDP2 compiled against shardfn compiled)."""
     t = row["step_s"]
     both_compiled = "shardfn-compiled" in t and "fsdp2-compiled" in t
+    # other numerics (compressed), graphs (traced) or memory (no re-gather): their own ratios
     cands = [m for m in t if m.startswith(family + "-") and (both_compiled or "-compiled" not in m)
-             and m not in COMPRESSED and m not in NORESHARD and m != "shardfn-traced"]  # other numerics, graphs or
-    # memory (the whole model gathered through the step): their own ratios
+             and m not in COMPRESSED and m not in NORESHARD and m != "shardfn-traced"]
     if not cands:
         return None
     m = min(cands, key=t.get)

@@ -36,6 +36,7 @@ __all__ = [
     "Pending",
     "all_gather_async",
     "reduce_scatter_async",
+    "exchanges_reduce_scatter",
     "all_to_all_async",
     "FORCE_FALLBACK",
     "recording",
@@ -306,7 +307,7 @@ def reduce_scatter_async(group: Group, x: torch.Tensor, out: torch.Tensor | None
         return _meta_pending(group, 0, lambda: (x_pg, out)[1])  # gloo reduces in its own buffers: not copied
 
     def direct():
-        if group.size == 2 and group.pg.name() == "gloo":  # [Note: gloo's reduce-scatter]
+        if exchanges_reduce_scatter(group.pg):
             return _sum_by_exchange(group, x_pg, out)
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
@@ -338,6 +339,12 @@ def reduce_scatter_async(group: Group, x: torch.Tensor, out: torch.Tensor | None
 # stays (measured at N = 4 it took 7.7 / 31 / 130 ms against 2.1 / 16 / 58 ms: the time
 # would buy memory). Other backends (NCCL) keep their op. The traced step rewrites its
 # graph's reduce-scatters the same way (`exchange_pairs` in `shardfn/_traced/collectives.py`).
+
+
+def exchanges_reduce_scatter(pg) -> bool:
+    """Whether a reduce-scatter over process group `pg` runs as the two-rank exchange
+    ([Note: gloo's reduce-scatter]): the eager op and the traced graph's pass ask here."""
+    return pg.size() == 2 and pg.name() == "gloo"
 
 
 def _sum_by_exchange(group: Group, x_pg: torch.Tensor, out: torch.Tensor):

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from .._backend.ops import exchanges_reduce_scatter
+
 __all__ = ["GatherFlat", "all_reduce_sum", "exchange_pairs"]
 
 
@@ -67,9 +69,7 @@ def _exchange_rank(name: str) -> int | None:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     pg = _resolve_process_group(name)
-    if pg.size() != 2 or pg._get_backend_name() != "gloo":
-        return None
-    return dist.get_rank(pg)
+    return dist.get_rank(pg) if exchanges_reduce_scatter(pg) else None
 
 
 def exchange_pairs(graph: torch.fx.Graph) -> int:
