@@ -24,7 +24,7 @@ Methods (`METHODS`):
                     shardfn-compiled (sf.functional(model, compile=True); fused AdamW) and
                     shardfn-compiled-step (torch.compile(sf.train_step(...)) of the plain model) and
                     shardfn-traced (sf.jit: forward, backward, reduce-scatters and AdamW in one inductor
-                    graph; the model applied with sf.traced_apply; pure AdamW)
+                    graph; the model applied with sf.traced_apply; AdamW in place, inplace=True)
   opt-in:           shardfn-noreshard / fsdp2-noreshard (reshard_after_forward=False, fused AdamW): no
                     re-gather in the backward, DDP's bytes on the wire, the whole model gathered through
                     the step (ZeRO-2's memory)
@@ -219,13 +219,14 @@ def _shardfn_jaxloop(spec, mesh, batch, fused=True):
 
 
 def _shardfn_traced(spec, mesh, batch):
-    """sf.jit: the whole step in one graph (docs/fsdp_design.md, "Traced step")."""
+    """sf.jit: the whole step in one graph (docs/fsdp_design.md, "Traced step"), updating
+    the shards and the AdamW state in place (`inplace=True`), as the eager methods do."""
     model = build_model(spec)
     _, params = sf.functional(model)
     apply = sf.traced_apply(model)
     step = sf.shard(lambda p, b: apply(p, *b), mesh)
     opt = sf.optim.adamw(LR, weight_decay=0.0)
-    return Trainer(*train_loop(sf.jit(step, opt), step, opt, params, batch))
+    return Trainer(*train_loop(sf.jit(step, opt, inplace=True), step, opt, params, batch))
 
 
 def _fsdp2(spec, mesh, batch, fused=False, compile_=False, param_dtype=None, reshard=True):

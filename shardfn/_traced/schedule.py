@@ -101,6 +101,8 @@ class TrafficRecord:
     pinned: int = 0  # order constraints written for inductor (`pin_order`)
     rescheduled: bool = False  # the pass matched every forward all-gather to its unit
     exchanged: int = 0  # reduce-scatters run as a two-rank exchange (`exchange_pairs`)
+    # per reduce-scatter, in issue order: the compute nodes after its issue (the backward it overlaps)
+    compute_after_scatters: tuple[int, ...] = ()
     graphs: int = 0  # graphs the pass has seen (one per compile)
 
     def stats(self) -> dict[str, int]:
@@ -281,10 +283,14 @@ def _count(graph, record: TrafficRecord) -> None:
     record.all_gather_bytes = record.reduce_scatter_bytes = record.all_reduce_bytes = record.num_collectives = 0
     record.overlapped = 0
     in_flight: set = set()
+    after: list[int] = []  # per reduce-scatter issued so far, compute nodes since
     for node in graph.nodes:
         if _is_compute(node):
             record.overlapped += len(in_flight)
             in_flight.clear()
+            after = [n + 1 for n in after]
+        elif node.target is _C.reduce_scatter_tensor.default:
+            after.append(0)
         elif node.target is _C.wait_tensor.default:
             in_flight.discard(node.args[0])
         if node.target in _STARTS:
@@ -298,6 +304,7 @@ def _count(graph, record: TrafficRecord) -> None:
         else:
             continue
         record.num_collectives += 1
+    record.compute_after_scatters = tuple(after)
 
 
 def order_constraints(graph: torch.fx.Graph) -> dict:

@@ -49,7 +49,8 @@ __all__ = ["jit", "TracedStep"]
 _BACKENDS = ("inductor", "aot_eager")
 
 
-def jit(step, opt, *, backend: str = "inductor", options: dict | None = None) -> "TracedStep":
+def jit(step, opt, *, backend: str = "inductor", options: dict | None = None,
+        inplace: bool = False) -> "TracedStep":
     """Trace a `shard` step's whole train step (forward, backward, reduce-scatters,
     optimizer update) into one graph, compiled with `torch.compile(fullgraph=True)`.
 
@@ -68,6 +69,11 @@ def jit(step, opt, *, backend: str = "inductor", options: dict | None = None) ->
       backend: "inductor" (fused kernels) or "aot_eager" (the same graph run op by op:
         compiles in a fraction of the time; for tests and debugging).
       options: extra inductor options (`torch.compile(options=...)`).
+      inplace: write the new shards and optimizer state into the tensors passed in (JAX's
+        buffer donation; `sf.train_step(..., inplace=True)` with an in-place optimizer in
+        eager) and return those same trees: no new shards or state are allocated each
+        step, and inductor's update kernel stores straight into them. The trees passed in
+        must not be used as the old values afterwards.
 
     Returns:
       A `TracedStep`; `.stats()` gives the compiled graph's collective bytes (the counts
@@ -92,14 +98,14 @@ def jit(step, opt, *, backend: str = "inductor", options: dict | None = None) ->
         raise SpecError(f"sf.jit: opt must be a sf.optim GradientTransformation (init, update), got {opt!r:.60}")
     if backend not in _BACKENDS:
         raise SpecError(f"sf.jit: backend must be one of {_BACKENDS}, got {backend!r}")
-    return TracedStep(step, opt, backend, dict(options or {}))
+    return TracedStep(step, opt, backend, dict(options or {}), bool(inplace))
 
 
 class TracedStep:
     """The compiled train step of `sf.jit` (one compiled function per shard layout)."""
 
-    def __init__(self, step, opt, backend: str, options: dict):
-        self.step, self.opt, self.backend, self.options = step, opt, backend, options
+    def __init__(self, step, opt, backend: str, options: dict, inplace: bool = False):
+        self.step, self.opt, self.backend, self.options, self.inplace = step, opt, backend, options, inplace
         self.record = TrafficRecord()
         self._compiled: dict[int, object] = {}
 
@@ -123,6 +129,8 @@ class TracedStep:
                 out = fn(leaves, state_leaves, _cast_batch(self.step.config, batch), n)
             except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as e:
                 raise ShardingError(_untraceable(e)) from e
+        if self.inplace:  # the graph wrote into `leaves` and `state_leaves`
+            return (shards, opt_state) + tuple(out)
         new, new_state = _tree.unflatten(treedef, out[0]), _tree.unflatten(state_def, out[1])
         return (new, new_state) + tuple(out[2:])
 
@@ -135,12 +143,16 @@ class TracedStep:
         trees = skeleton(plan.treedef), skeleton(list_state(self.opt, plan))
         for tree in trees:  # a container `fill` cannot rebuild: a SpecError here, not inside the trace
             fill(tree, [None] * len(_tree.flatten(tree)[0]))
-        body = functools.partial(_train, _Static.of(self.step), self.step.loss_fn, self.opt, plan, *trees)
+        body = functools.partial(_train, _Static.of(self.step, self.inplace), self.step.loss_fn, self.opt, plan,
+                                 *trees)
         flags, prefetch = self._reshard_flags(plan), self.step.config.prefetch
         if self.backend == "inductor":
             options = dict(self.options, post_grad_custom_pre_pass=SchedulePass(flags, self.record, prefetch),
                            post_grad_custom_post_pass=pin_pass(self.record))
             options.setdefault("fx_graph_cache", False)  # the pass must run: it counts the traffic
+            # inductor's locality pass sinks each weight gradient's mm to its unit's gradient pack,
+            # which put every reduce-scatter after the whole backward: [Note: overlap in the graph]
+            options.setdefault("reorder_for_locality", False)
             return torch.compile(body, fullgraph=True, backend="inductor", options=options)
         from torch._dynamo.backends.common import aot_autograd
 
@@ -205,23 +217,39 @@ class _Static(NamedTuple):
     data_name: str
     data_size: int
     weighting: str
+    inplace: bool  # write the results into the input tensors
 
     @classmethod
-    def of(cls, step) -> "_Static":
+    def of(cls, step, inplace: bool = False) -> "_Static":
         cfg, mesh = step.config, step.mesh
         data = mesh.group(cfg.data_axes)
         return cls(cfg.has_aux, cfg.mixed_precision, mesh.group(cfg.shard_axes).pg.group_name,
-                   data.pg.group_name, data.size, cfg.batch_weighting)
+                   data.pg.group_name, data.size, cfg.batch_weighting, inplace)
 
 
 def _unpack(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
-    """(k * S,) rank-major gathered buffer -> each sharded leaf's full tensor, by narrow +
-    reshape (differentiable: its transpose is `plan.pack_grads`'s layout), where eager
-    copies into a leaf-major buffer it owns (`plan.copy_out`)."""
+    """(k * S,) rank-major gathered buffer -> each sharded leaf's full tensor: one split of
+    the (k, S) rows into the leaves' (k, c * row) regions (and the padding between them),
+    then reshape, where eager copies into a leaf-major buffer it owns (`plan.copy_out`).
+    Split, not a narrow per leaf: its transpose is one cat of the leaves' gradients into
+    `plan.pack_grads`'s layout, where a narrow's is a zero-padded buffer per leaf, summed
+    ([Note: the gradient pack is a cat])."""
     rows = gathered.view(unit.k, unit.shard_numel)
-    out = []
+    sizes, at = [], 0
     for layout in unit.sharded:
-        region = rows.narrow(1, layout.offset, layout.chunk_numel)  # (k, c * row)
+        if layout.offset > at:
+            sizes.append(layout.offset - at)
+        sizes.append(layout.chunk_numel)
+        at = layout.offset + layout.chunk_numel
+    if unit.shard_numel > at:
+        sizes.append(unit.shard_numel - at)
+    pieces = iter(rows.split_with_sizes(sizes, dim=1))
+    out, at = [], 0
+    for layout in unit.sharded:
+        if layout.offset > at:
+            next(pieces)
+        region = next(pieces)  # (k, c * row)
+        at = layout.offset + layout.chunk_numel
         full = region.reshape((unit.k * layout.chunk,) + layout.shape[1:])
         out.append(full.narrow(0, 0, layout.rows))
     return out
@@ -300,6 +328,11 @@ def _train(static: _Static, loss_fn, opt, plan, skeleton, state_skeleton, leaves
         updates, opt_state = opt.update(grads, opt_state, list(leaves))
         new = apply_updates(list(leaves), updates)
     new_state = leaves_of(opt_state, [])
+    if static.inplace:  # donated inputs: AOTAutograd keeps the mutation, inductor stores into them
+        with torch.no_grad():
+            for old, value in zip(leaves + state_leaves, new + new_state):
+                old.copy_(value)
+        return (mean, aux) if static.has_aux else (mean,)
     if static.has_aux:
         return new, new_state, mean, aux
     return new, new_state, mean

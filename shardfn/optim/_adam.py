@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _tree
-from . import _flat, _fusion
+from . import _flat, _fusion, _in_graph
 from .base import GradientTransformation
 
 _BIG = 1 << 14  # elements; see [Note: big leaves]
@@ -108,6 +108,8 @@ def scale_by_adam(
         bc2 = 1.0 - b2**t
         # See [Note: Adam's arithmetic].
         denom_scale, denom_eps = math.sqrt(bc2) / bc1 * out_scale, eps * bc1 / out_scale
+        # symbolic under torch.compile: [Note: step-dependent scalars in a graph]
+        denom_scale, denom_eps = _in_graph.scalar(denom_scale, g[0]), _in_graph.scalar(denom_eps, g[0])
         if inplace:
             with torch.no_grad():
                 g = _flat.writable(g)
