@@ -276,7 +276,7 @@ def test_logical_group_reference():
     assert list(itertools.chain(*(coords_of(r, shape).values() for r in range(4)))) == [0, 0, 0, 1, 1, 0, 1, 1]
 
 
-# -- [Note: gloo's reduce-scatter]: two ranks exchange blocks and add -----------------------
+# -- [Note: gloo's two-rank collectives]: two ranks exchange blocks (and add) --------------
 
 
 def _gloo_reduce_scatter_body(mesh):
@@ -304,6 +304,39 @@ def test_gloo_reduce_scatter_of_two_is_the_exchange_sum(backend):
         for dtype, (got, want, gloo) in out.items():
             assert got.dtype == want.dtype and got.shape == (7, 3), dtype
             assert torch.equal(got, want) and torch.equal(got, gloo), (rank, dtype)
+
+
+def _gloo_all_gather_body(mesh):
+    group = mesh.group(("data",))
+    out = {}
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.uint8):
+        g = torch.Generator().manual_seed(100 + mesh.rank)
+        x = (torch.randn(7, 3, generator=g, dtype=torch.float64) * 50).to(dtype)
+        gloo = torch.empty(2, 7, 3, dtype=dtype)  # gloo's own all-gather
+        group.pg._allgather_base(gloo.view(-1), x.reshape(-1)).wait()
+        out[str(dtype)] = (ops.all_gather_async(group, x).wait(), gloo, x)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["simulated", pytest.param("distributed", marks=pytest.mark.multiprocess)])
+def test_gloo_all_gather_of_two_is_the_exchange(backend):
+    """On a gloo group of two the all-gather is an exchange: gloo's own op's result, bit for
+    bit, in every dtype, this rank's block in its row."""
+    for rank, out in enumerate(run_on_mesh(_gloo_all_gather_body, {"data": 2}, backend)):
+        for dtype, (got, gloo, mine) in out.items():
+            assert got.dtype == gloo.dtype and got.shape == (2, 7, 3), dtype
+            assert torch.equal(got, gloo) and torch.equal(got[rank], mine), (rank, dtype)
+
+
+def test_gloo_all_gather_takes_the_exchange_for_two_ranks_only(monkeypatch):
+    calls = []
+    real = ops._gather_by_exchange
+    monkeypatch.setattr(ops, "_gather_by_exchange", lambda *a: calls.append(a[0].size) or real(*a))
+    for k in (2, 3):
+        got = run_on_mesh(lambda mesh: ops.all_gather(mesh.group(("data",)), torch.full((2,), float(mesh.rank)), 0),
+                          {"data": k})
+        assert all(torch.equal(g, torch.arange(k).repeat_interleave(2).float()) for g in got)
+    assert calls == [2, 2]  # both ranks of the 2-rank mesh; gloo's own op on 3
 
 
 def test_gloo_reduce_scatter_takes_the_exchange_for_two_ranks_only(monkeypatch):

@@ -80,6 +80,7 @@ def _mlp_parity(backend: str, sizes, traced_steps: int):
             out["backward_gathers"] = train.record.backward_gathers
             out["overlapped"], out["pinned"] = train.record.overlapped, train.record.pinned
             out["exchanged"] = train.record.exchanged
+            out["exchanged_gathers"] = train.record.exchanged_gathers
             out["compute_after_scatters"] = train.record.compute_after_scatters
             _train(train, shards, opt.init(shards), batches[STEPS:n])
             out["dynamo"] = _dynamo_counts()
@@ -157,6 +158,7 @@ def test_traced_mlp_matches_eager_one_graph():
         assert out["rescheduled"] and out["backward_gathers"] == want["units"] - 1
         assert out["overlapped"] == _overlapped(want["units"], prefetch=1) and out["pinned"] == 0  # aot_eager: FX order
         assert out["exchanged"] == want["units"]  # gloo, two ranks: every reduce-scatter an exchange
+        assert out["exchanged_gathers"] == 2 * want["units"] - 1  # and every all-gather, re-gathers included
         assert out["compute_after_scatters"][0] >= _backward_behind_first_scatter(want["units"])
         # bytes: eager's recording, the graph's count, and the formulas agree
         assert eager["stats"]["all_gather_bytes"] == want["eager_all_gather"]
@@ -181,6 +183,7 @@ def test_traced_mlp_inductor_matches_eager():
         # once: docs/fsdp_design.md "Traced step")
         assert out["overlapped"] == _overlapped(len(sizes) - 1, prefetch=1) and out["pinned"] > 0
         assert out["exchanged"] == len(sizes) - 1
+        assert out["exchanged_gathers"] == 2 * (len(sizes) - 1) - 1
         # the reduce-scatters run under the backward: inductor's locality pass (off in sf.jit)
         # sank every weight-gradient matmul to its unit's pack, so all of them came last
         assert out["compute_after_scatters"][0] >= _backward_behind_first_scatter(len(sizes) - 1)

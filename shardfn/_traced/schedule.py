@@ -65,7 +65,7 @@ import hashlib
 import torch
 import torch.fx
 
-from .collectives import exchange_pairs
+from .collectives import PACK, exchange_pairs
 
 __all__ = ["TrafficRecord", "schedule_units", "SchedulePass", "order_constraints", "pin_order", "pin_pass"]
 
@@ -101,6 +101,7 @@ class TrafficRecord:
     pinned: int = 0  # order constraints written for inductor (`pin_order`)
     rescheduled: bool = False  # the pass matched every forward all-gather to its unit
     exchanged: int = 0  # reduce-scatters run as a two-rank exchange (`exchange_pairs`)
+    exchanged_gathers: int = 0  # all-gathers run as a two-rank exchange
     # per reduce-scatter, in issue order: the compute nodes after its issue (the backward it overlaps)
     compute_after_scatters: tuple[int, ...] = ()
     graphs: int = 0  # graphs the pass has seen (one per compile)
@@ -215,7 +216,11 @@ def schedule_units(graph: torch.fx.Graph, reshard: tuple[bool, ...], record: Tra
         _place_reduce_scatters(graph)
         graph.eliminate_dead_code()  # copies no backward op reads
     _count(graph, record)
-    record.exchanged = exchange_pairs(graph)
+    for gather in graph.nodes:  # `pin_order` finds the packs by this mark once the gathers are exchanges
+        if gather.target is _C.all_gather_into_tensor.default:
+            for node in _feeding(gather):
+                node.meta[PACK] = True
+    record.exchanged, record.exchanged_gathers = exchange_pairs(graph)
 
 
 def _issue_early(groups: list, prefetch: int) -> None:
@@ -320,7 +325,7 @@ def order_constraints(graph: torch.fx.Graph) -> dict:
     deps: dict = {}
     pending: list = []  # issues and waits since the last compute node
     last = None
-    packs = {n for g in graph.nodes if g.target is _C.all_gather_into_tensor.default for n in _feeding(g)}
+    packs = {n for n in graph.nodes if n.meta.get(PACK)}
     for node in graph.nodes:
         if node.op != "call_function":
             continue
