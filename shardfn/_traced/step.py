@@ -25,6 +25,16 @@ pure description of the same step, written for dynamo:
 
 It shares the plan (units, flat buffers, padding) with the eager runtime and nothing
 else: the eager runtime is untouched.
+
+[Note: the gradient pack is a cat]
+Autograd writes the gradient pack (the reduce-scatter's input: each leaf's gradient in
+its unit's rank-major layout) as the transpose of the unpack. The unpack was first a
+narrow of the (k, S) rows per leaf; a narrow's transpose is a zero-padded buffer of the
+whole row width, one per leaf, summed, and inductor fused that sum into one loop that
+tests every leaf's bounds at every element: 62-70 ms per step of a GPT 8L d512 (12 leaves
+a unit), and the same masks in front of the optimizer's update. One split of the rows
+into all regions (padding included) has a cat as its transpose, which inductor lowers to
+a copy per leaf.
 """
 
 from __future__ import annotations
