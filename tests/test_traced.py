@@ -59,9 +59,10 @@ def _dynamo_counts():
     return {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
 
-def _mlp_parity(backend: str, sizes, traced_steps: int):
+def _mlp_parity(backend: str, sizes, traced_steps: int, schedule: bool = False):
     """Per rank: eager and traced losses, parameter difference after STEPS, dynamo counts
-    after `traced_steps` traced steps, and both byte counts."""
+    after `traced_steps` traced steps, and both byte counts. `schedule`: AdamW's learning
+    rate warms up from 0 and decays ([Note: schedules in a graph])."""
     _fresh_dynamo()
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
     params = mlp_params(torch.Generator().manual_seed(0), sizes)
@@ -70,7 +71,7 @@ def _mlp_parity(backend: str, sizes, traced_steps: int):
     for mode in ("eager", "traced"):
         step = sf.shard(mlp_loss, mesh)
         shards = step.shard_params(params)
-        opt = sf.optim.adamw(1e-2)
+        opt = sf.optim.adamw(sf.optim.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 2 * STEPS) if schedule else 1e-2)
         train = sf.train_step(step, opt) if mode == "eager" else sf.jit(step, opt, backend=backend)
         n = STEPS if mode == "eager" else traced_steps
         shards, _, losses = _train(train, shards, opt.init(shards), batches[:STEPS])
@@ -98,6 +99,20 @@ def _overlapped(units: int, prefetch: int) -> int:
     backward the first re-gather is prefetched); every reduce-scatter but the last
     (units - 1), prefetch or not."""
     return (units - 1) + ((units - 1) + (units - 2) if prefetch else 0)
+
+
+@pytest.mark.slow
+def test_traced_learning_rate_schedule_is_one_graph():
+    """A warmup-cosine schedule inside the graph: the step count is a tensor, so 20 steps
+    are one graph; the chain takes the plain path there (the lr is a tensor: [Note:
+    schedules in a graph]), so eager's numbers within rounding, not bit for bit."""
+    for out in run_multiprocess(_mlp_parity, 2, "aot_eager", MLP_SIZES, 2 * STEPS, True, timeout=TIMEOUT):
+        eager, traced = out["eager"], out["traced"]
+        assert out["dynamo"] == {"unique_graphs": 1, "graph_breaks": 0}
+        assert max(abs(a - b) for a, b in zip(eager["losses"], traced["losses"])) <= 1e-6, (eager, traced)
+        assert out["param_diff"] <= 5e-5
+        assert traced["losses"][1] == traced["losses"][0] == eager["losses"][1]  # lr 0 at step 0: nothing moves
+        assert eager["losses"][-1] < eager["losses"][1]
 
 
 def _backward_behind_first_scatter(units: int) -> int:
@@ -465,6 +480,27 @@ def test_branch_on_a_tensor_value_is_a_clear_error():
         assert "sf.train_step(step, opt)" in message and "torch.where" in message
 
 
+def _branch_in_schedule():
+    """A schedule of the user's own with a Python branch on the step (a tensor in the graph)."""
+    _fresh_dynamo()
+    mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
+    step = sf.shard(mlp_loss, mesh)
+    shards = step.shard_params(mlp_params(torch.Generator().manual_seed(0), [4, 4]))
+    opt = sf.optim.adamw(lambda k: 1e-3 if k < 3 else 1e-4)
+    try:
+        sf.jit(step, opt, backend="aot_eager")(shards, opt.init(shards), (torch.randn(2, 4), torch.randn(2, 4)))
+    except sf.ShardingError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_branch_in_a_schedule_is_a_clear_error():
+    for message in run_multiprocess(_branch_in_schedule, 2, timeout=TIMEOUT):
+        assert message is not None and "cannot be traced as one graph" in message, message
+        assert "schedule" in message and "0-dim tensor" in message and "sf.train_step(step, opt)" in message
+
+
 def _item_in_loss():
     """`.item()` in loss_fn: dynamo captures it as a data-dependent scalar, which may or may
     not compile with the traced backward (torch 2.13: AOTAutograd fails on the unbacked
@@ -551,6 +587,11 @@ def test_jit_checks_its_arguments():
         sf.jit(step, "adamw")
     with pytest.raises(sf.SpecError, match=r"backend must be one of"):
         sf.jit(step, sf.optim.sgd(0.1), backend="cudagraphs")
+    for fused in (sf.optim.adamw(1e-3, fused=True), sf.optim.sgd(0.1, fused=True),
+                  sf.optim.chain(sf.optim.clip_by_global_norm(1.0), sf.optim.adamw(1e-3, fused=True))):
+        with pytest.raises(sf.SpecError, match=r"(?s)runs torch's fused kernel \(torch\._fused_(adamw|sgd)_\).*"
+                                               r"without fused=True"):
+            sf.jit(step, fused)
 
 
 def test_traced_apply_matches_the_module():

@@ -106,6 +106,14 @@ def jit(step, opt, *, backend: str = "inductor", options: dict | None = None,
         )
     if not (isinstance(opt, tuple) and len(opt) == 2 and all(callable(f) for f in opt)):
         raise SpecError(f"sf.jit: opt must be a sf.optim GradientTransformation (init, update), got {opt!r:.60}")
+    kernel = getattr(opt.update, "fused_kernel", None)
+    if kernel is not None:
+        raise SpecError(
+            f"sf.jit: opt runs torch's fused kernel (torch.{kernel}), which updates its lists in place outside "
+            f"what dynamo traces into a graph.\nFix: build the optimizer without fused=True (e.g. "
+            f"sf.optim.adamw(lr)): in the graph inductor fuses its foreach math into one kernel per unit; or "
+            f"train eagerly with sf.train_step(step, opt)."
+        )
     if backend not in _BACKENDS:
         raise SpecError(f"sf.jit: backend must be one of {_BACKENDS}, got {backend!r}")
     return TracedStep(step, opt, backend, dict(options or {}), bool(inplace))
@@ -209,8 +217,9 @@ def _untraceable(e: Exception) -> str:
         f"sf.jit: the train step cannot be traced as one graph: {first}\n"
         f"A traced loss_fn must be one graph: no .item() / float(tensor) / print of a tensor, no Python "
         f"if/while on a tensor's value (use torch.where), no sf.functional apply function (use "
-        f"sf.traced_apply(model)).\nFix: rewrite that part of loss_fn, or train eagerly with "
-        f"sf.train_step(step, opt)."
+        f"sf.traced_apply(model)). The same holds for a learning-rate schedule of your own: in the graph it "
+        f"gets the step count as a 0-dim tensor (docs/optim.md).\nFix: rewrite that part of loss_fn or the "
+        f"schedule, or train eagerly with sf.train_step(step, opt)."
     )
 
 

@@ -147,6 +147,10 @@ def new_count() -> torch.Tensor:
 
 
 def read_count(count: Any) -> int:
+    """The count as an int; under torch.compile the 0-dim tensor itself, so a schedule of
+    it is traced, not specialized ([Note: schedules in a graph] in _schedules.py)."""
+    if torch.compiler.is_compiling() and isinstance(count, torch.Tensor):
+        return count
     return int(count)
 
 

@@ -144,6 +144,7 @@ def fused_adam(
                 )
         return AppliedUpdates(params), tuple(new_state)
 
+    update.fused_kernel = kernel.__name__  # read by sf.jit, which cannot trace it
     return GradientTransformation(init, update)
 
 
@@ -182,6 +183,7 @@ def fused_sgd(
                 )
         return AppliedUpdates(params), tuple(new_state)
 
+    update.fused_kernel = "_fused_sgd_"  # read by sf.jit, which cannot trace it
     return GradientTransformation(init, update)
 
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Optional
 
+import torch
+
 
 class Fusion(NamedTuple):
     """Hooks a built-in transform's ``update`` function carries as ``update.fusion``."""
@@ -69,9 +71,12 @@ def plan(update_fns: tuple) -> Optional[int]:
 def run_fused(update_fns: tuple, j: int, updates, state, params):
     """Run a chain with plan ``j``; None when the factor is 0 (then run it plainly)."""
     last = fusion_of(update_fns[-1])
-    factor = float(last.factor(state[-1]))
-    if factor == 0.0:
+    factor = last.factor(state[-1])
+    # a schedule's value inside a graph is a tensor ([Note: schedules in a graph]): whether it is
+    # 0 is not known when tracing, so the plain path (whose lr multiply inductor fuses anyway)
+    if isinstance(factor, torch.Tensor) or float(factor) == 0.0:
         return None
+    factor = float(factor)
     new_state = []
     for fn, s in zip(update_fns[:j], state[:j]):
         updates, s = fn(updates, s, params)

@@ -39,11 +39,13 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 def scalar(x, like: torch.Tensor):
-    """`x` for a tensor op on tensors like `like`: unchanged in eager code, a realized 0-dim
-    float64 tensor on `like`'s device while torch.compile traces ([Note: step-dependent
-    scalars in a graph]). Dynamo shows a symbolic float to the traced code as a `float`
-    (`isinstance(x, torch.SymFloat)` is False there), so every number is wrapped: callers
-    pass only values computed from the step count."""
-    if torch.compiler.is_compiling():
-        return _realized(torch.scalar_tensor(x, dtype=torch.float64, device=like.device))
-    return x
+    """`x` (a number or a 0-dim tensor) for a tensor op on tensors like `like`: unchanged in
+    eager code, a realized 0-dim float64 tensor on `like`'s device while torch.compile
+    traces ([Note: step-dependent scalars in a graph]). Dynamo shows a symbolic float to the
+    traced code as a `float` (`isinstance(x, torch.SymFloat)` is False there), so every
+    number is wrapped: callers pass only values computed from the step count."""
+    if not torch.compiler.is_compiling():
+        return x
+    if isinstance(x, torch.Tensor):
+        return _realized(x.to(device=like.device, dtype=torch.float64))
+    return _realized(torch.scalar_tensor(x, dtype=torch.float64, device=like.device))

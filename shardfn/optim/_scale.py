@@ -7,7 +7,7 @@ from typing import Callable, NamedTuple, Union
 import torch
 
 from .. import _tree
-from . import _flat, _fusion
+from . import _flat, _fusion, _in_graph
 from .base import EmptyState, GradientTransformation
 
 ScalarOrSchedule = Union[float, Callable[[int], float]]
@@ -22,6 +22,8 @@ class ScaleByScheduleState(NamedTuple):
 def _scale_leaves(leaves, factor, inplace):
     if not leaves:
         return leaves
+    if isinstance(factor, torch.Tensor):  # a schedule's value in a graph: computed once
+        factor = _in_graph.scalar(factor, leaves[0])
     if inplace:
         with torch.no_grad():
             leaves = _flat.writable(leaves)
@@ -92,8 +94,9 @@ def scale_by_schedule(
         leaves = _scale_leaves(leaves, factor(state), inplace)
         return _tree.unflatten(treedef, leaves), advance(state)
 
-    def factor(state):
-        return float(step_size_fn(_flat.read_count(state.count)))
+    def factor(state):  # a 0-dim tensor under torch.compile: [Note: schedules in a graph]
+        value = step_size_fn(_flat.read_count(state.count))
+        return value if isinstance(value, torch.Tensor) else float(value)
 
     def advance(state):
         return ScaleByScheduleState(count=_flat.bump_count(state.count, inplace)[0])

@@ -1,5 +1,14 @@
 """Learning-rate schedules: plain callables ``schedule(step: int) -> float``.
 
+[Note: schedules in a graph]
+Under ``torch.compile`` (``sf.jit``) a schedule is called with the step count as a 0-dim
+int64 tensor, as optax calls its schedules with a traced count: Python branches or
+``min`` / ``bisect`` on it would bake one step's value into the graph (a recompile per
+step) or break it. The built-in schedules compute with torch ops on such a step (clamp,
+cos, where; float64, the same IEEE operations as the Python floats: the values are equal
+bit for bit, tested) and return a 0-dim float64 tensor; given an int they return a float,
+as before. A schedule of your own works in a graph when written the same way.
+
 ``step`` is the number of updates already done, so the first update uses
 ``schedule(0)``. That matches ``torch.optim.lr_scheduler`` used the usual way
 (``optimizer.step()`` then ``scheduler.step()``): the k-th ``optimizer.step()``
@@ -19,7 +28,25 @@ import bisect
 import math
 from typing import Callable, Sequence
 
+import torch
+
 Schedule = Callable[[int], float]
+
+
+def _clamp(step, low: int, high: int):
+    """``min(max(step, low), high)`` of an int, or of a 0-dim int tensor as float64."""
+    if isinstance(step, torch.Tensor):
+        return step.clamp(low, high).to(torch.float64)
+    return min(max(step, low), high)
+
+
+def _cos(x):
+    return torch.cos(x) if isinstance(x, torch.Tensor) else math.cos(x)
+
+
+def _float64(x, like: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float64) if isinstance(x, torch.Tensor) else torch.full((), x, dtype=torch.float64,
+                                                                               device=like.device)
 
 
 def constant_schedule(value: float) -> Schedule:
@@ -69,8 +96,8 @@ def linear_schedule(
         return constant_schedule(init_value)
     init_value, end_value = float(init_value), float(end_value)
 
-    def schedule(step: int) -> float:
-        frac = min(max(step - transition_begin, 0), transition_steps) / transition_steps
+    def schedule(step: int) -> float:  # [Note: schedules in a graph]
+        frac = _clamp(step - transition_begin, 0, transition_steps) / transition_steps
         return init_value + (end_value - init_value) * frac
 
     return schedule
@@ -103,9 +130,9 @@ def cosine_decay_schedule(
         raise ValueError(f"cosine_decay_schedule: decay_steps must be positive, got {decay_steps}.")
     init_value, alpha = float(init_value), float(alpha)
 
-    def schedule(step: int) -> float:
-        k = min(max(step, 0), decay_steps)
-        cosine = 0.5 * (1.0 + math.cos(math.pi * k / decay_steps))
+    def schedule(step: int) -> float:  # [Note: schedules in a graph]
+        k = _clamp(step, 0, decay_steps)
+        cosine = 0.5 * (1.0 + _cos(math.pi * k / decay_steps))
         return init_value * ((1.0 - alpha) * cosine**exponent + alpha)
 
     return schedule
@@ -137,6 +164,11 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
         raise ValueError(f"join_schedules: boundaries must increase, got {boundaries}.")
 
     def schedule(step: int) -> float:
+        if isinstance(step, torch.Tensor):  # [Note: schedules in a graph]: every piece, then select
+            value = _float64(schedules[0](step), step)
+            for boundary, piece in zip(boundaries, schedules[1:]):
+                value = torch.where(step >= boundary, _float64(piece(step - boundary), step), value)
+            return value
         i = bisect.bisect_right(boundaries, step)
         start = boundaries[i - 1] if i > 0 else 0
         return schedules[i](step - start)

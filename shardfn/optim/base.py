@@ -120,6 +120,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
+    kernels = [f.fused_kernel for f in updates_fns if getattr(f, "fused_kernel", None)]
+    if kernels:  # a link runs torch's fused kernel: sf.jit reads it
+        update.fused_kernel = kernels[0]
     return GradientTransformation(init, update)
 
 

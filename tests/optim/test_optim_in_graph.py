@@ -74,3 +74,24 @@ def test_compiled_adamw_with_inductor_matches_eager():
     got, _ = _run(torch.compile(update, fullgraph=True), params, grads, opt)
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_compiled_adamw_with_a_schedule_is_one_graph_and_eager_within_rounding():
+    """[Note: schedules in a graph]: the schedule is traced with the step count as a tensor,
+    so 20 steps (warmup from 0 included) are one graph; its value is a tensor, so the chain
+    takes the plain path (lr multiplied after Adam, not folded into its denominator): eager's
+    numbers within rounding."""
+    opt = optim.adamw(optim.warmup_cosine_decay_schedule(0.0, 1e-2, 4, 30))
+    params, grads = _problem()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    update = _update_fn(opt)
+    want, _ = _run(update, params, grads, opt)
+    got, _ = _run(torch.compile(update, backend=backend, fullgraph=True), params, grads, opt)
+    assert len(graphs) == 1, f"{len(graphs)} graphs: the schedule recompiled"
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)

@@ -61,3 +61,26 @@ def test_schedule_errors():
         optim.join_schedules([optim.constant_schedule(1.0)] * 3, [5, 2])
     with pytest.raises(ValueError, match=r"warmup_cosine_decay_schedule: decay_steps \(which includes the warmup\) must exceed"):
         optim.warmup_cosine_decay_schedule(0.0, 1.0, 10, 10)
+
+
+SCHEDULES = {
+    "constant": optim.constant_schedule(0.3),
+    "linear": optim.linear_schedule(1e-3, 1e-5, 17, transition_begin=3),
+    "cosine": optim.cosine_decay_schedule(3e-4, 23, alpha=0.05, exponent=1.5),
+    "warmup": optim.linear_warmup(1e-3, 7),
+    "warmup_cosine": optim.warmup_cosine_decay_schedule(1e-6, 1e-3, 5, 30, end_value=1e-5),
+    "join": optim.join_schedules([optim.constant_schedule(0.5), optim.linear_schedule(0.5, 0.1, 4),
+                                  optim.cosine_decay_schedule(0.1, 9)], [3, 8]),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_schedules_of_a_tensor_step_are_the_float_values(name):
+    """[Note: schedules in a graph]: called with a 0-dim int64 tensor (the count inside
+    sf.jit's graph), every built-in schedule gives its float value bit for bit."""
+    import torch
+
+    schedule = SCHEDULES[name]
+    for k in range(45):
+        want, got = schedule(k), schedule(torch.tensor(k))
+        assert float(got) == want, (name, k, float(got), want)
