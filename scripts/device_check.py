@@ -32,8 +32,9 @@ Checks:
                   fp8 all-gather (world 1: encode/decode on the device) within 5e-2 of fp32
                   torch.
  11. traced       sf.jit (the whole train step as one torch.compile graph: collectives,
-                  backward, AdamW) of the GPT == the eager sf.train_step, 5 steps, fp32 losses
-                  within 1e-4 (inductor on the device; aot_eager in the CPU dry run).
+                  backward, AdamW, shards updated in place) of the GPT == the eager
+                  sf.train_step, 5 steps, fp32 losses within 1e-4 (inductor on the
+                  device; aot_eager in the CPU dry run).
  10. compressed-2rank  2 processes over gloo with device tensors, int8 all-gather + int8
                   reduce-scatter (qgZ's all-to-all): params after 3 steps == the same run
                   on CPU (1e-5).
@@ -255,7 +256,7 @@ def check_traced(mesh, cfg):
     apply = sf.traced_apply(model)
     step = sf.shard(lambda p, b: apply(p, *b), mesh)
     opt = sf.optim.adamw(1e-3)
-    train = sf.jit(step, opt, backend="inductor" if mesh.device.type != "cpu" else "aot_eager")
+    train = sf.jit(step, opt, backend="inductor" if mesh.device.type != "cpu" else "aot_eager", inplace=True)
     shards = step.shard_params(params)
     state = opt.init(shards)
     got = []

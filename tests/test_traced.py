@@ -452,25 +452,27 @@ def test_unequal_batches_fail_in_the_graph():
         assert message is not None and "local batches differ in size" in message, message
 
 
-def _branch_on_value():
+def _jit_error(loss_fn, opt):
+    """The ShardingError message of sf.jit's first call on a tiny MLP step, or None."""
     _fresh_dynamo()
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
+    step = sf.shard(loss_fn, mesh)
+    shards = step.shard_params(mlp_params(torch.Generator().manual_seed(0), [4, 4]))
+    try:
+        sf.jit(step, opt, backend="aot_eager")(shards, opt.init(shards), (torch.randn(2, 4), torch.randn(2, 4)))
+    except sf.ShardingError as e:
+        return str(e)
+    return None
 
+
+def _branch_on_value():
     def loss_fn(params, batch):
         loss = mlp_loss(params, batch)
         if loss > 1.0:  # a Python branch on a tensor's value
             return loss * 2
         return loss
 
-    step = sf.shard(loss_fn, mesh)
-    shards = step.shard_params(mlp_params(torch.Generator().manual_seed(0), [4, 4]))
-    opt = sf.optim.sgd(0.1)
-    train = sf.jit(step, opt, backend="aot_eager")
-    try:
-        train(shards, opt.init(shards), (torch.randn(2, 4), torch.randn(2, 4)))
-    except sf.ShardingError as e:
-        return str(e)
-    return None
+    return _jit_error(loss_fn, sf.optim.sgd(0.1))
 
 
 @pytest.mark.slow
@@ -482,16 +484,7 @@ def test_branch_on_a_tensor_value_is_a_clear_error():
 
 def _branch_in_schedule():
     """A schedule of the user's own with a Python branch on the step (a tensor in the graph)."""
-    _fresh_dynamo()
-    mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
-    step = sf.shard(mlp_loss, mesh)
-    shards = step.shard_params(mlp_params(torch.Generator().manual_seed(0), [4, 4]))
-    opt = sf.optim.adamw(lambda k: 1e-3 if k < 3 else 1e-4)
-    try:
-        sf.jit(step, opt, backend="aot_eager")(shards, opt.init(shards), (torch.randn(2, 4), torch.randn(2, 4)))
-    except sf.ShardingError as e:
-        return str(e)
-    return None
+    return _jit_error(mlp_loss, sf.optim.adamw(lambda k: 1e-3 if k < 3 else 1e-4))
 
 
 @pytest.mark.slow
