@@ -25,7 +25,7 @@ import torch.fx
 
 from .._backend.ops import exchanges
 
-__all__ = ["GatherFlat", "all_reduce_sum", "exchange_pairs", "EXCHANGED", "PACK"]
+__all__ = ["GatherFlat", "all_reduce_sum", "exchange_pairs", "PACK"]
 
 
 def _all_gather(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
@@ -72,7 +72,6 @@ def _exchange_rank(name: str) -> int | None:
     return dist.get_rank(pg) if exchanges(pg) else None
 
 
-EXCHANGED = "shardfn_exchanged"  # node.meta key: the collective an all-to-all stands for
 PACK = "shardfn_pack"  # node.meta key: an op that packs an all-gather's input (pinned by `pin_order`)
 
 
@@ -86,11 +85,10 @@ def exchange_pairs(graph: torch.fx.Graph) -> tuple[int, int]:
       an all-reduce of the same buffer;
     - all-gather: the cat of this rank's input and the received block, in rank order, which
       inductor fuses into the unpack's copies; gloo's op copies the input into the output
-      and took longer (a 6.3 MB shard: 8.4-8.9 ms against 5.1-6.4 ms).
+      and took longer (measured in the Note).
     Run after the schedule pass has placed and counted the collectives: the all-to-all stands
-    where the collective stood, its wait where its wait stood, and it carries
-    `meta[EXCHANGED]`. Returns (reduce-scatters, all-gathers) rewritten. The graph is
-    rank-specific after it."""
+    where the collective stood, its wait where its wait stood. Returns (reduce-scatters,
+    all-gathers) rewritten. The graph is rank-specific after it."""
     c10d, aten = torch.ops._c10d_functional, torch.ops.aten
     counts = {c10d.reduce_scatter_tensor.default: 0, c10d.all_gather_into_tensor.default: 0}
     for node in list(graph.nodes):
@@ -122,7 +120,6 @@ def exchange_pairs(graph: torch.fx.Graph) -> tuple[int, int]:
                 ((own, wait),) if scatter else ()):
             if new is not x:
                 new.meta = dict(like.meta)
-        exchange.meta[EXCHANGED] = node.target
         wait.replace_all_uses_with(result)
         graph.erase_node(wait)
         graph.erase_node(node)

@@ -69,7 +69,8 @@ def plan(update_fns: tuple) -> Optional[int]:
 
 
 def run_fused(update_fns: tuple, j: int, updates, state, params):
-    """Run a chain with plan ``j``; None when the factor is 0 (then run it plainly)."""
+    """Run a chain with plan ``j``; None when the factor is 0 or a tensor (a schedule's value
+    inside a graph): then the chain runs plainly."""
     last = fusion_of(update_fns[-1])
     factor = last.factor(state[-1])
     # a schedule's value inside a graph is a tensor ([Note: schedules in a graph]): whether it is

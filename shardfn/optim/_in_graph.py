@@ -13,8 +13,9 @@ for torch's fused AdamW kernel.
 
 `scalar(x, like)` turns such a value into a 0-dim float64 tensor computed once, behind an
 op inductor does not fuse through (`shardfn::realized`, a copy), so each kernel loads it
-(0.92 ms on the same update). A plain Python number (eager code, or a constant) comes back
-unchanged. The numbers are eager's: an op on float32 tensors with a 0-dim float64 tensor
+(0.92 ms on the same update); a schedule's value, a 0-dim tensor in a graph ([Note:
+schedules in a graph] in _schedules.py), goes the same way. In eager code the value comes
+back unchanged. The numbers are eager's: an op on float32 tensors with a 0-dim float64 tensor
 computes with the value cast to float32, exactly as with a Python float (ATen reads both
 as a CPU scalar; inductor promotes to the tensors' dtype), so `aot_eager` stays bit-equal.
 """
