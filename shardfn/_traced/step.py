@@ -182,13 +182,23 @@ class TracedStep:
         return torch.compile(body, fullgraph=True, backend=aot_autograd(fw_compiler=compiler))
 
 
+# Logger methods a model's forward may call (transformers' GPT-2 logs a warning_once there):
+# dynamo refuses them ("logging.Logger method not supported"), a graph break; they change no
+# number, so the trace skips them (the message is not printed from the compiled step).
+_LOG_METHODS = ("debug", "info", "warning", "warn", "error", "warning_once", "info_once")
+
+
 @contextlib.contextmanager
 def _tracing_config():
-    """dynamo traces `torch.autograd.grad` only when asked; the AOT cache would skip the pass."""
+    """dynamo traces `torch.autograd.grad` only when asked, and skips logging calls; the AOT
+    cache would skip the pass."""
+    import logging
+
     import torch._dynamo
     import torch._functorch.config
 
-    with torch._dynamo.config.patch(trace_autograd_ops=True), \
+    quiet = {m for m in (getattr(logging.Logger, name, None) for name in _LOG_METHODS) if m is not None}
+    with torch._dynamo.config.patch(trace_autograd_ops=True, ignore_logger_methods=quiet), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         yield
 
