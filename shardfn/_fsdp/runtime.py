@@ -47,7 +47,13 @@ __all__ = ["RankStep", "RankState"]
 # after another in the forward (a layer stack); the patterns that do not are handled as
 # [Note: units used again later in the forward] says.
 
-# [Note: units used again later in the forward] says.
+# [Note: no cycle through the autograd graph]
+# The gathered leaves that `leaf` hands to loss_fn carry a GatherUnitBackward whose ctx
+# holds this RankState, so keeping them in `unit.step.outputs` past the forward makes a
+# cycle through the C++ autograd graph, which Python's collector cannot see: the step,
+# its mesh and (on the simulated mesh) every gloo group and thread would outlive the
+# last reference to them. The outputs are read only while loss_fn runs (`leaf` refuses
+# later reads), so `post_forward` drops them; the graph itself lives as long as the loss.
 
 # [Note: units used again later in the forward]
 # The schedule frees a unit when the next one is entered, which assumes a unit's
@@ -131,6 +137,8 @@ class RankState:
     def post_forward(self) -> None:
         """The forward of the step is over: free the units it gathered (reshard_after_forward)."""
         self.schedule.in_forward = False
+        for unit in self.units:  # [Note: no cycle through the autograd graph]
+            unit.step.outputs = None
         if self.config.reshard_after_forward:
             for i in self.schedule.order:
                 if not self.units[i].plan.is_root and not self.units[i].step.pinned:
