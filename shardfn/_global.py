@@ -134,4 +134,8 @@ def global_call(local_fn, mesh, in_specs, out_specs, args, name):
         raise
     it = iter(tensor_outs)
     leaves = [next(it) if isinstance(g, torch.Tensor) else g for g in runner.global_leaves]
+    # The tensor outputs are the very tensors in global_leaves, now carrying this call's
+    # backward node, whose ctx holds the runner: a cycle through the C++ autograd graph that
+    # Python's collector cannot break, keeping the mesh and its gloo groups alive. Drop it.
+    runner.global_leaves = []
     return _tree.unflatten(runner.out_treedef, leaves)
