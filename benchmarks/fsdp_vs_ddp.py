@@ -25,9 +25,9 @@ Methods (`METHODS`):
                     shardfn-compiled-step (torch.compile(sf.train_step(...)) of the plain model) and
                     shardfn-traced (sf.jit: forward, backward, reduce-scatters and AdamW in one inductor
                     graph; the model applied with sf.traced_apply; AdamW in place, inplace=True)
-  opt-in:           shardfn-noreshard / fsdp2-noreshard (reshard_after_forward=False, fused AdamW): no
-                    re-gather in the backward, DDP's bytes on the wire, the whole model gathered through
-                    the step (ZeRO-2's memory)
+  opt-in:           shardfn-noreshard / fsdp2-noreshard (reshard_after_forward=False, fused AdamW) and
+                    shardfn-traced-noreshard (sf.jit of the same): no re-gather in the backward, DDP's
+                    bytes on the wire, the whole model gathered through the step (ZeRO-2's memory)
 
     python -m benchmarks.fsdp_vs_ddp                        # 3 models x N = 1, 2, 4 (tens of minutes)
     python -m benchmarks.fsdp_vs_ddp --tiny                 # seconds; what the test suite runs
@@ -218,13 +218,13 @@ def _shardfn_jaxloop(spec, mesh, batch, fused=True):
     return Trainer(one, nbytes, shard_step=step)
 
 
-def _shardfn_traced(spec, mesh, batch):
+def _shardfn_traced(spec, mesh, batch, reshard=True):
     """sf.jit: the whole step in one graph (docs/fsdp_design.md, "Traced step"), updating
     the shards and the AdamW state in place (`inplace=True`), as the eager methods do."""
     model = build_model(spec)
     _, params = sf.functional(model)
     apply = sf.traced_apply(model)
-    step = sf.shard(lambda p, b: apply(p, *b), mesh)
+    step = sf.shard(lambda p, b: apply(p, *b), mesh, reshard_after_forward=reshard)
     opt = sf.optim.adamw(LR, weight_decay=0.0)
     return Trainer(*train_loop(sf.jit(step, opt, inplace=True), step, opt, params, batch))
 
@@ -282,6 +282,7 @@ COMPRESSED = {
 # backward, so the step's peak holds the whole model).
 NORESHARD = {
     "shardfn-noreshard": lambda s, m, b: _shardfn(s, m, b, fused=True, reshard=False),
+    "shardfn-traced-noreshard": lambda s, m, b: _shardfn_traced(s, m, b, reshard=False),
     "fsdp2-noreshard": lambda s, m, b: _fsdp2(s, m, b, fused=True, reshard=False),
 }
 ALL_METHODS = {**METHODS, **LOOPS, **COMPILED, **COMPRESSED, **NORESHARD}
@@ -494,6 +495,8 @@ def ratios(row: dict) -> dict:
         "noreshard: shardfn / ddp": r("shardfn-noreshard", "ddp"),
         "noreshard: shardfn / fsdp2": r("shardfn-noreshard", "fsdp2-noreshard"),
         "noreshard: shardfn / reshard (fused)": r("shardfn-noreshard", "shardfn-fused"),
+        "noreshard: sf.jit / ddp": r("shardfn-traced-noreshard", "ddp"),
+        "noreshard: sf.jit / sf.jit reshard": r("shardfn-traced-noreshard", "shardfn-traced"),
     }
 
 

@@ -36,7 +36,8 @@ NAMES = {"shardfn-foreach": "shardfn foreach", "shardfn-fused": "shardfn fused",
          "shardfn-traced": "shardfn sf.jit (traced)",
          "shardfn-wire-bf16": "shardfn bf16 wire", "shardfn-wire-fp8": "shardfn fp8 wire",
          "shardfn-wire-int8": "shardfn int8 wire", "fsdp2-bf16": "FSDP2 bf16 params",
-         "shardfn-noreshard": "shardfn fused, no re-gather", "fsdp2-noreshard": "FSDP2 fused, no re-gather"}
+         "shardfn-noreshard": "shardfn fused, no re-gather", "fsdp2-noreshard": "FSDP2 fused, no re-gather",
+         "shardfn-traced-noreshard": "shardfn sf.jit, no re-gather"}
 # (what, the ratio's key in fsdp_vs_ddp.ratios, at most, the world sizes); on every GPT row
 TARGETS = [
     ("shardfn / FSDP2, both foreach AdamW", "foreach: shardfn / fsdp2", 0.85, (2, 4)),
@@ -402,6 +403,10 @@ def sections(results: str = RESULTS) -> dict[str, str]:
     exchange = load("fsdp_vs_ddp_exchange", results)
     if exchange is not None:
         out["exchange"] = step_time_table(exchange) + "\n\n" + ratio_table(exchange) + "\n\n" + cpu_table(exchange, 2)
+    traced_nr = load("fsdp_vs_ddp_traced_noreshard", results)
+    if traced_nr is not None:
+        out["traced-noreshard"] = (step_time_table(traced_nr) + "\n\n" + ratio_table(traced_nr) + "\n\n"
+                                   + cpu_table(traced_nr, 2))
     piped = load("pipeline", results)
     if piped is not None:
         from benchmarks.pipeline import render
