@@ -200,6 +200,15 @@ class _Replay(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# [Note: no tensors in a _Call]
+# A _Call lives in its _Remat node's ctx, and the Function's outputs are the very tensors
+# `fn` returned, now carrying that node as grad_fn. Keeping them (or the inputs, gathered
+# parameters whose nodes hold shard's step state) in the _Call made cycles through the C++
+# autograd graph that Python's collector cannot break: each step, mesh and its gloo groups
+# outlived their last reference. So the _Call holds the non-tensor leaves only; the inputs
+# are the ctx's saved tensors and the outputs are the caller's.
+
+
 class _Call:
     """One call of a remat'd function: what its Function needs, in a plain object (functorch
     rebuilds dicts passed to `Function.apply`)."""
@@ -207,10 +216,13 @@ class _Call:
     def __init__(self, fn, policy, offload_to, treedef, leaves, slots):
         self.fn, self.policy, self.offload_to = fn, policy, offload_to
         self.name = _name(fn)
-        self.treedef, self.leaves, self.slots = treedef, leaves, slots  # slots: positions of tensor leaves
+        self.treedef, self.slots = treedef, slots  # slots: positions of tensor leaves
         self.binding = current_binding()
         self.types = _vma.current()  # a typed shard_map body: its inputs' types, for the recompute
         self.vmas = [_vma.vma(leaves[i], self.types) for i in slots]
+        # the non-tensor leaves; the tensors come with each call ([Note: no tensors in a _Call])
+        tensor_slots = set(slots)
+        self.leaves = [None if i in tensor_slots else x for i, x in enumerate(leaves)]
         self.out_vmas: list = []
         self.out_treedef = None
         self.out_static: list = []  # non-tensor outputs, by position
@@ -254,7 +266,7 @@ class _Call:
         if self.out_treedef is None:
             self.out_treedef = treedef
             self.out_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-            self.out_static = leaves
+            self.out_static = [None if isinstance(x, torch.Tensor) else x for x in leaves]
             self.out_vmas = [_vma.vma(leaves[i], self.types) for i in self.out_slots]
         return tuple(leaves[i] for i in self.out_slots)
 

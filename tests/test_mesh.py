@@ -216,7 +216,7 @@ def _collected(make) -> bool:
     return ref() is None
 
 
-def test_a_mesh_is_freed_after_a_shard_step_and_a_global_shard_map():
+def test_a_mesh_is_freed_after_shard_steps_remat_and_a_global_shard_map():
     # Autograd nodes whose ctx holds the step's state or the mesh, kept by a tensor that the
     # same state holds, form cycles through the C++ graph that Python's collector cannot see;
     # the test suite's worker once reached 3000+ gloo threads this way.
@@ -252,5 +252,13 @@ def test_a_mesh_is_freed_after_a_shard_step_and_a_global_shard_map():
         (y.sum() + s).backward()
         return mesh._backend
 
+    def remat_in_shard():
+        mesh = sf.local_mesh({"data": 2})
+        layer = sf.remat(lambda p, x: torch.tanh(x @ p["w"]))
+        step = sf.shard(lambda p, x: sum(layer(lp, x) for lp in p["layers"]).square().mean(), mesh)
+        mesh.run(lambda: step.grad_and_value(step.shard_params({"layers": params["layers"]}), torch.randn(2, 4)))
+        return mesh._backend
+
     assert _collected(shard_steps)
     assert _collected(global_shard_map)
+    assert _collected(remat_in_shard)
