@@ -443,6 +443,9 @@ def _finish_outputs(mesh, out, out_specs, check, name, ctx: _Context):
         leaves[i] = _Gather.apply(leaves[i], mesh, spec)
         if ctx.outer_types is not None:
             _vma.tag(leaves[i], outer & ctx.outer_types.axes, ctx.outer_types)
+    if ctx.types is not None and ctx.outer_types is None:  # this call's scope ends here
+        for leaf in leaves:
+            _vma.untag(leaf, ctx.types)
     return _tree.unflatten(treedef, leaves)
 
 

@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 from ._backend import ops
 from ._errors import ShardingError
 
-__all__ = ["Types", "vma", "tag", "lift", "paused", "enter", "exit", "current"]
+__all__ = ["Types", "vma", "tag", "untag", "lift", "paused", "enter", "exit", "current"]
 
 _state = threading.local()
 
@@ -129,6 +129,15 @@ def tag(t, axes, types: Types | None = None):
     if types is not None and isinstance(t, torch.Tensor):
         setattr(t, _ATTR, (types.scope, frozenset(axes)))
     return t
+
+
+def untag(t, types: Types) -> None:
+    """Drop `t`'s type if it belongs to `types`' scope: the scope has ended, and the tag holds
+    the scope and through it the mesh (gloo groups, locks), which would keep the mesh alive
+    and make the tensor unpicklable (`torch.save`, a result sent between processes)."""
+    got = getattr(t, _ATTR, None) if isinstance(t, torch.Tensor) else None
+    if got is not None and got[0] is types.scope:
+        delattr(t, _ATTR)
 
 
 # -- pvary and its transpose, the invariant psum -----------------------------------------

@@ -329,3 +329,21 @@ def test_remat_inside_a_typed_body_keeps_the_types(policy):
     assert _maxdiff([a.grad for a in args], want) <= 1e-12
     with pytest.raises(sf.ShardingError, match=r"the output: varies over \['m'\]"):
         sf.shard_map(remat, mesh, specs, P())(x, w1, w2)
+
+
+def test_outputs_leave_the_scope_untyped_and_picklable():
+    # A type names its scope, which holds the mesh (gloo groups, locks): kept on an output
+    # it pinned the mesh and made the tensor fail torch.save / pickling between processes.
+    import io
+    import pickle
+
+    mesh = sf.local_mesh({"x": 2})
+    f = sf.shard_map(lambda a: (sf.psum(a, "x"), a * 2), mesh, in_specs=sf.P("x"), out_specs=(sf.P(), sf.P("x")))
+
+    def body():
+        outs = f(torch.ones(2, dtype=torch.float64) * (mesh.rank + 1))  # this rank's block
+        buf = io.BytesIO()
+        torch.save(outs, buf)
+        return [hasattr(o, "_sf_vma") for o in outs], [o.tolist() for o in pickle.loads(pickle.dumps(outs))]
+
+    assert mesh.run(body) == [([False, False], [[3.0, 3.0], [2.0, 2.0]]), ([False, False], [[3.0, 3.0], [4.0, 4.0]])]
