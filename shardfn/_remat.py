@@ -209,6 +209,11 @@ class _Replay(TorchDispatchMode):
 # are the ctx's saved tensors and the outputs are the caller's.
 
 
+def _static(leaves: list) -> list:
+    """`leaves` with each tensor replaced by None ([Note: no tensors in a _Call])."""
+    return [None if isinstance(x, torch.Tensor) else x for x in leaves]
+
+
 class _Call:
     """One call of a remat'd function: what its Function needs, in a plain object (functorch
     rebuilds dicts passed to `Function.apply`)."""
@@ -220,9 +225,7 @@ class _Call:
         self.binding = current_binding()
         self.types = _vma.current()  # a typed shard_map body: its inputs' types, for the recompute
         self.vmas = [_vma.vma(leaves[i], self.types) for i in slots]
-        # the non-tensor leaves; the tensors come with each call ([Note: no tensors in a _Call])
-        tensor_slots = set(slots)
-        self.leaves = [None if i in tensor_slots else x for i, x in enumerate(leaves)]
+        self.leaves = _static(leaves)  # the tensors come with each call ([Note: no tensors in a _Call])
         self.out_vmas: list = []
         self.out_treedef = None
         self.out_static: list = []  # non-tensor outputs, by position
@@ -266,7 +269,7 @@ class _Call:
         if self.out_treedef is None:
             self.out_treedef = treedef
             self.out_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-            self.out_static = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+            self.out_static = _static(leaves)
             self.out_vmas = [_vma.vma(leaves[i], self.types) for i in self.out_slots]
         return tuple(leaves[i] for i in self.out_slots)
 
