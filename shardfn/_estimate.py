@@ -31,6 +31,7 @@ import torch
 from ._backend import ops
 from ._dry_run import MetaFunctions, Tracker, real_batch_leaf
 from ._errors import SpecError
+from ._fsdp import api, support
 from ._mesh import Mesh, _normalize_shape, local_mesh
 
 __all__ = ["estimate", "Estimate"]
@@ -233,17 +234,12 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
     """
     from ._fsdp import shard
 
-    if shard_options.get("param_specs") is not None:
-        raise SpecError(
-            "sf.estimate: param_specs (FSDP x tensor parallelism) is not supported yet: the collectives inside "
-            "loss_fn refuse meta tensors.\nFix: estimate the data-parallel part (without param_specs) on the "
-            "shard group's size, with each parameter's tensor-parallel block as its shape."
-        )
     shape = _normalize_shape({"data": mesh_shape} if isinstance(mesh_shape, int) else mesh_shape, None)
     params = _meta_tree(params_or_shapes, dtype, "params_or_shapes")
     batch = _meta_tree(batch_shapes, batch_dtype or dtype, "batch_shapes", batch=True)
     mesh = _meta_mesh(tuple(shape.items()))
     step = shard(loss_fn, mesh, **shard_options)
+    support.check("estimate", step)  # [Note: the composition table]
     grad_and_value = torch.func.grad_and_value(step, has_aux=step.config.has_aux) if use_func else step.grad_and_value
 
     def body():
@@ -253,7 +249,7 @@ def estimate(loss_fn: Callable, params_or_shapes, batch_shapes, mesh_shape, *, o
             opt_state = optimizer.init(shards) if optimizer is not None else None
             with MetaFunctions(), tracker:
                 step(shards, batch, *rest)  # learn the access order, as a training loop's first step does
-                state = step._state(step._plan_for(shards))
+                state = api.rank_state(step, api.plan_of(step, shards))
                 scratch = [0]
 
                 def note(op: str, axes, nbytes: int) -> None:

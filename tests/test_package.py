@@ -1,9 +1,11 @@
 """The package's public surface: `import shardfn` is light, and `sf.testing` is a lazy attribute."""
 
 import ast
+import inspect
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 import shardfn
 
@@ -127,3 +129,74 @@ def test_layers_import_only_downwards():
             broken += [f"{m} imports {i}" for m in covered for i in sorted(graph[m])
                        if any(within(i, f) for f in forbidden)]
     assert broken == [], "imports against the layering (DESIGN.md's layout):\n" + "\n".join(broken)
+
+
+# -- the named internal API of a shard step ([Note: the composition table]'s neighbour:
+# shardfn/_fsdp/api.py) --------------------------------------------------------------------
+
+
+def shard_private_names() -> set[str]:
+    """`Shard`'s private methods and the private attributes its __init__ sets."""
+    from shardfn._fsdp.step import Shard
+
+    names = {n for n in vars(Shard) if n.startswith("_") and not n.startswith("__")}
+    init = ast.parse(textwrap.dedent(inspect.getsource(Shard.__init__)))
+    names |= {node.attr for node in ast.walk(init)
+              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+              and node.attr.startswith("_") and not node.attr.startswith("__")}
+    return names
+
+
+def _own(node: ast.expr) -> bool:
+    """`self` / `cls`: an object's own attributes are its business."""
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def _a_step(node: ast.expr) -> bool:
+    """`step`, `self.step`, `shard_step`: an expression that names a step."""
+    return ast.unparse(node).split(".")[-1].endswith("step")
+
+
+def step_misuses(source: str, filename: str, private: set[str]) -> list[str]:
+    """Where `source` reads a private name of `Shard` on another object (`step._plan_for`),
+    or sets a private attribute on a step (`step._checked = True`, `setattr(step, ...)`)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            if isinstance(target, ast.Attribute) and target.attr.startswith("_") and _a_step(target.value):
+                found.append(f"{filename}:{node.lineno}: sets {ast.unparse(target)}")
+        if isinstance(node, ast.Attribute) and node.attr in private and not _own(node.value) \
+                and isinstance(node.ctx, ast.Load):
+            found.append(f"{filename}:{node.lineno}: reads {ast.unparse(node)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and len(node.args) > 1 and _a_step(node.args[0]):
+            found.append(f"{filename}:{node.lineno}: setattr on {ast.unparse(node.args[0])}")
+    return sorted(found, key=lambda line: int(line.split(":")[1]))
+
+
+def test_no_module_outside_fsdp_reaches_into_a_shard_step():
+    private = shard_private_names()
+    assert {"_plan_for", "_state", "_lay_out", "_check_shards", "_plans", "_states"} <= private
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if within(module_name(path), "shardfn._fsdp"):
+            continue
+        broken += step_misuses(path.read_text(), str(path.relative_to(PACKAGE.parent)), private)
+    assert broken == [], ("use shardfn/_fsdp/api.py, not a shard step's private names or new attributes:\n"
+                          + "\n".join(broken))
+
+
+def test_the_private_access_check_catches_a_planted_call():
+    private = shard_private_names()
+    planted = ("def f(step, shards):\n"
+               "    plan = step._plan_for(shards)\n"
+               "    self.step._funcgrad_checked = True\n"
+               "    setattr(step, '_x', 1)\n"
+               "    self._plans = {}\n"
+               "    x._y = 1\n"
+               "    return api.plan_of(step, shards)\n")
+    found = step_misuses(planted, "planted.py", private)
+    assert found == ["planted.py:2: reads step._plan_for", "planted.py:3: sets self.step._funcgrad_checked",
+                     "planted.py:4: setattr on step"]

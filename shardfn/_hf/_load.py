@@ -2,7 +2,7 @@
 
 The shards' layout is the step's own: `like` (the params tree of `sf.functional` on a
 meta model) is laid out exactly as `step.shard_params` would lay out real params (same
-plan, tensor-parallel specs and checks, via `step._lay_out`), and `local_bounds` (the
+plan, tensor-parallel specs and checks, via `_fsdp.api.lay_out`), and `local_bounds` (the
 ranges `step.init_shards` draws) says which rows, and with tensor parallelism which
 columns, of each leaf this rank holds. Those ranges are read from the files and
 nothing else ([Note: reading only this rank's bytes] in _safetensors.py).
@@ -27,6 +27,7 @@ from .._checkpoint._errors import (
 from .._checkpoint._keys import KeyMap, mapper, named_leaves
 from .._checkpoint._layout import Ranks, agree
 from .._errors import ShardingError, SpecError
+from .._fsdp import api
 from .._fsdp.init import local_bounds
 from ._safetensors import Header, ReadStats, read_box, read_header
 
@@ -164,8 +165,8 @@ def load_shards(step, path, like: Any, *, cast: bool = False, key_map: KeyMap = 
             raise SpecError(f"{WHO}: like{_tree.keystr(p)} is a {type(x).__name__}, not a tensor.\nFix: pass the "
                             f"params tree of sf.functional(model) (a meta model is enough: shapes and dtypes).")
     metas = [torch.empty(x.shape, dtype=x.dtype, device="meta") for x in leaves]
-    step._check_same_everywhere(paths, metas)
-    plan, _ = step._lay_out(_tree.unflatten(treedef, metas), paths, metas, treedef, allow_meta=True)
+    api.check_same_everywhere(step, paths, metas)
+    plan, _ = api.lay_out(step, _tree.unflatten(treedef, metas), paths, metas, treedef, allow_meta=True)
     boxes = local_bounds(plan, mesh, cfg.shard_axes, [tuple(x.shape) for x in metas])
     keys = [leaf.key for leaf in named_leaves(like, None, key_map, who=WHO, what="like")[0]]
     stats = ReadStats()

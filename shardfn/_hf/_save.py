@@ -29,6 +29,7 @@ from .._checkpoint._errors import CheckpointError
 from .._checkpoint._keys import KeyMap, named_leaves
 from .._checkpoint._layout import Ranks, agree
 from .._errors import ShardingError, bullet_list
+from .._fsdp import api
 from .._fsdp.unshard import iter_unshard
 from .._functional import _walk
 from ._load import INDEX, SINGLE
@@ -206,7 +207,7 @@ def save_pretrained(path, step, shards: Any, model, *, max_shard_size="5GB", dty
             raise
 
     agree(ranks, finish, WHO)
-    plan = step._plan_for(shards)
+    plan = api.plan_of(step, shards)
     peak = max((u.full_numel * u.dtype.itemsize for u in plan.units if u.sharded), default=0)
     return SaveStats(path, tuple(names), total, peak)
 

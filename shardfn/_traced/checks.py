@@ -1,16 +1,19 @@
 """What the traced step supports, checked before anything is traced.
 
-Each option the traced step cannot express yet raises a SpecError that names the option
-and the eager fallback (`sf.train_step(step, opt)`, which supports them all).
+The options of `shard` are the composition table's ([Note: the composition table] in
+shardfn/_fsdp/support.py): a refused one raises its SpecError, naming the reason and the
+eager fallback (`sf.train_step(step, opt)`, which supports them all). The checks here
+are the traced step's own: a plan or a mesh it cannot express.
 """
 
 from __future__ import annotations
 
 from .._errors import SpecError
+from .._fsdp import support
 
 __all__ = ["check_traceable"]
 
-_FALLBACK = "Fix: drop the option, or train eagerly with sf.train_step(step, opt), which supports it."
+_FALLBACK = "Fix: train eagerly with sf.train_step(step, opt), which supports it."
 
 
 def _refuse(what: str, why: str) -> SpecError:
@@ -19,22 +22,8 @@ def _refuse(what: str, why: str) -> SpecError:
 
 def check_traceable(step, plan) -> None:
     """Raise a SpecError for a `shard` option or a plan the traced step does not handle."""
+    support.check("jit", step, plan)
     cfg, mesh = step.config, step.mesh
-    if cfg.shard_axes != cfg.data_axes:
-        raise _refuse(f"HSDP (shard_axes={cfg.shard_axes} within data_axes={cfg.data_axes})",
-                      "the replica all-reduce after the reduce-scatter is not written yet")
-    if cfg.reshard_axes:
-        raise _refuse(f"hpZ (reshard_after_forward={cfg.reshard_axes})",
-                      "the backward re-gather over a sub-group is not written yet")
-    if cfg.frozen is not None:
-        raise _refuse("frozen=", "frozen units are gathered without a reduce-scatter, not written yet")
-    if cfg.check_finite:
-        raise _refuse("check_finite=True", "raising from inside a graph needs a host sync")
-    if plan.tp_axes:
-        raise _refuse(f"param_specs over {plan.tp_axes} (tensor parallelism)",
-                      "the tensor-parallel reductions are not written yet")
-    if cfg.batch_weighting == "global_mean":
-        raise _refuse("batch_weighting='global_mean'", "the weights are read on the host")
     group = mesh.group(cfg.shard_axes)
     if group.perm is not None:
         raise _refuse(f"shard axes {cfg.shard_axes} named in another order than the mesh",

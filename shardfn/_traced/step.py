@@ -47,6 +47,7 @@ import torch
 
 from .. import _tree
 from .._errors import ShardingError, SpecError
+from .._fsdp import api
 from .._fsdp.plan import pack_shards
 from ..optim.base import apply_updates
 from .checks import check_traceable
@@ -99,7 +100,7 @@ def jit(step, opt, *, backend: str = "inductor", options: dict | None = None,
       >>> train = sf.jit(step, sf.optim.adamw(1e-3))          # doctest: +SKIP
       >>> shards, state, loss = train(shards, state, batch)   # doctest: +SKIP
     """
-    if not (hasattr(step, "config") and hasattr(step, "_plan_for") and hasattr(step, "loss_fn")):
+    if not (hasattr(step, "config") and hasattr(step, "shard_params") and hasattr(step, "loss_fn")):
         raise SpecError(
             f"sf.jit: expected the result of sf.shard(loss_fn, mesh, ...), got {type(step).__name__}.\n"
             f"Fix: step = sf.shard(loss_fn, mesh); train = sf.jit(step, opt)."
@@ -133,13 +134,13 @@ class TracedStep:
         return self.record.stats()
 
     def __call__(self, shards, opt_state, batch):
-        plan = self.step._plan_for(shards)
+        plan = api.plan_of(self.step, shards)
         fn = self._compiled.get(id(plan))
         if fn is None:
             check_traceable(self.step, plan)
             fn = self._compiled[id(plan)] = self._compile(plan)
         paths, leaves, treedef = _tree.flatten_with_paths(shards)
-        self.step._check_shards(plan, paths, leaves, self.step.mesh.group(self.step.config.shard_axes).index)
+        api.check_shards(self.step, plan, paths, leaves, self.step.mesh.group(self.step.config.shard_axes).index)
         state_leaves, state_def = _tree.flatten(opt_state)
         n = _batch_size(batch)
         with _tracing_config():
