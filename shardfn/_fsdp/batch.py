@@ -46,7 +46,8 @@ from .._backend import ops
 from .._errors import ShardingError, SpecError
 from .view import stacked
 
-__all__ = ["WEIGHTINGS", "check_weighting", "local_batch_size", "reduce_loss", "settle"]
+__all__ = ["WEIGHTINGS", "UNKNOWN", "batch_is_vmapped", "check_weighting", "local_batch_size", "micro_batch_weights",
+           "reduce_loss", "settle"]
 
 WEIGHTINGS = ("equal", "mean_of_means", "global_mean")
 UNKNOWN = -1
@@ -61,6 +62,36 @@ def check_weighting(value) -> str:
             f"its batch size) or 'mean_of_means' (the mean of the per-rank means)."
         )
     return value
+
+
+def batch_is_vmapped(batch) -> bool:
+    """Whether a tensor leaf of the batch is batched by vmap (its size is the vmapped one's)."""
+    return any(isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and stacked(leaf) for leaf in _tree.flatten(batch)[0])
+
+
+def micro_batch_weights(micro_batches, weighting: str, group, stats) -> list[float | None]:
+    """The weight of each micro-batch's loss in `Shard.accumulate`'s mean: None (1/m), or
+    with "global_mean" its share of the global examples (one small all-reduce of the local
+    sizes), so that the step is the mean over all the step's examples, as one big batch."""
+    m = len(micro_batches)
+    if weighting != "global_mean":
+        return [None] * m
+    sizes = [local_batch_size(b) for b in micro_batches]
+    if UNKNOWN in sizes:
+        raise ShardingError(
+            f"shard.accumulate(batch_weighting='global_mean'): micro-batches {[i for i, n in enumerate(sizes) if n == UNKNOWN]} "
+            f"have no batch size ({_SIZE}), so they cannot be weighted by it.\nFix: give the batch tensor "
+            f"leaves one leading (batch) dim.")
+    local = torch.tensor(sizes, dtype=torch.float64)
+    stats.collective("all_reduce", local.numel() * local.element_size(), group)
+    total = ops.all_reduce(group, local)
+    if total.is_meta:  # sf.estimate: shapes only
+        return [None] * m
+    counts = total.tolist()
+    if sum(counts) == 0:
+        raise ShardingError("shard.accumulate(batch_weighting='global_mean'): every micro-batch is empty on "
+                            "every rank.\nFix: pass at least one example.")
+    return [c / sum(counts) for c in counts]
 
 
 def local_batch_size(batch) -> int:

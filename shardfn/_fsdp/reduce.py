@@ -134,6 +134,9 @@ def all_reduce_replicated(layouts: tuple[LeafLayout, ...], grads: list, *, shard
 def check_finite(values: torch.Tensor, what: str, *, group, stats: Stats) -> None:
     """`shard(check_finite=True)`: raise NonFiniteError on every rank of `group` if
     `values` holds a NaN/Inf on any of them (one tiny all-reduce + one on failure)."""
+    if values.is_meta:  # sf.estimate: the flag's all-reduce is counted; there is nothing to check
+        stats.collective("all_reduce", _nbytes(torch.empty(1)), group)
+        return
     bad = torch.tensor([0.0 if bool(torch.isfinite(values).all()) else 1.0], device=values.device)
     stats.collective("all_reduce", _nbytes(bad), group)
     if float(ops.all_reduce(group, bad, "max")) == 0.0:

@@ -8,6 +8,7 @@ reduce-scattered to each rank's shard. The file map is in `shardfn/_fsdp/__init_
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Hashable
 
@@ -26,7 +27,8 @@ from .._spec import chunk_bounds
 from . import funcgrad, tp
 from .config import Config, MixedPrecision, make_config
 from .plan import Plan, build_plan, in_unit_buffers
-from .batch import local_batch_size
+from . import support
+from .batch import UNKNOWN, batch_is_vmapped, local_batch_size, micro_batch_weights
 from .reduce import Stats
 from .runtime import RankState
 from .schedule import StepMode
@@ -212,7 +214,8 @@ class Shard:
         Args:
           shards: this rank's shards.
           micro_batches: a sequence of this rank's micro-batches (equal sizes give exactly
-            the big-batch mean).
+            the big-batch mean; with `batch_weighting="global_mean"` any sizes do: each
+            micro-batch weighs by its share of the step's global examples).
           mode: "reduce_each" reduce-scatters every micro-batch's gradient and sums the
             shards (memory: 1/N gradients; communication: one reduce-scatter per micro-batch);
             "reduce_once" keeps each unit's unsharded gradient sum locally and reduce-scatters
@@ -232,12 +235,16 @@ class Shard:
         state.drop_encoded()  # encoded once for all micro-batches ([Note: quantized all-gather] in gather.py)
         state.stats.reset()
         state.encoded.reset()
+        weights = micro_batch_weights(micro_batches, self.config.batch_weighting, state.groups.data, state.stats)
         total_loss, total, auxes = None, None, []
         try:
-            for i, batch in enumerate(micro_batches):
+            for i, (batch, w) in enumerate(zip(micro_batches, weights)):
                 hold = mode == "reduce_once" and i < len(micro_batches) - 1
                 state.mode = StepMode.ACCUMULATE_HOLD if hold else StepMode.ACCUMULATE
-                grads, out = torch.func.grad_and_value(self, has_aux=self.config.has_aux)(shards, batch, *rest)
+                # global_mean: the micro-batch's loss is weighted before its backward, so that
+                # reduce_once's held gradient sums carry the weights too
+                fn = self if w is None else functools.partial(_weighted, self, w * len(micro_batches))
+                grads, out = torch.func.grad_and_value(fn, has_aux=self.config.has_aux)(shards, batch, *rest)
                 loss = out[0] if self.config.has_aux else out
                 if self.config.has_aux:
                     auxes.append(out[1])
@@ -340,8 +347,10 @@ class Shard:
         self._check_shards(plan, paths, leaves, state.groups.shard_index)
         device = next((x.device for x in leaves), mesh.device)
         batch = self._prepare_batch(batch, device, plan)
-        state.begin_step(leaves)
         state.batch_size = local_batch_size(batch)  # for the loss mean ([Note: the batch size rides on ...])
+        if state.batch_size == UNKNOWN and self.config.batch_weighting == "global_mean" and batch_is_vmapped(batch):
+            support.refused_here("vmap", "global_mean")  # [Note: the composition table]
+        state.begin_step(leaves)
         view = make_view(treedef, len(leaves), state.leaf)
         try:
             manual = self.config.data_axes + plan.tp_axes  # the other axes are auto in loss_fn
@@ -365,6 +374,12 @@ class Shard:
         if mp is not None and mp.output_dtype is not None:
             loss = loss.to(mp.output_dtype)
         return (loss, aux) if self.config.has_aux else loss
+
+
+def _weighted(step: Shard, factor: float, shards, batch, *rest):
+    """`step(shards, batch, *rest)` with its loss times `factor` (aux untouched)."""
+    out = step(shards, batch, *rest)
+    return (out[0] * factor, out[1]) if step.config.has_aux else out * factor
 
 
 def shard(

@@ -73,6 +73,7 @@ def _low_precision(config) -> bool:
 
 
 OPTIONS = (
+    Option("none", "(defaults)", lambda c, p: False),
     Option("low_precision", "MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
            lambda c, p: _low_precision(c)),
     Option("wire_int8", "MixedPrecision(all_gather_dtype='int8', reduce_scatter_dtype='int8')",

@@ -47,7 +47,7 @@ import torch
 
 from .. import _tree
 from .._errors import ShardingError, SpecError
-from .._fsdp import api
+from .._fsdp import api, support
 from .._fsdp.plan import pack_shards
 from ..optim.base import apply_updates
 from .checks import check_traceable
@@ -147,6 +147,8 @@ class TracedStep:
             try:
                 out = fn(leaves, state_leaves, _cast_batch(self.step.config, batch), n)
             except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as e:
+                if _in_remat(e):
+                    support.refused_here("jit", "remat")  # [Note: the composition table]
                 raise ShardingError(_untraceable(e)) from e
         if self.inplace:  # the graph wrote into `leaves` and `state_leaves`
             return (shards, opt_state) + tuple(out)
@@ -216,6 +218,12 @@ def _cast_batch(cfg, batch):
         return batch
     return _tree.tree_map(lambda x: x.to(mp.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                           else x, batch)
+
+
+def _in_remat(e: Exception) -> bool:
+    """Whether dynamo stopped inside sf.remat (its user stack or message names _remat.py)."""
+    stack = getattr(e, "real_stack", None) or []
+    return any("_remat" in getattr(frame, "filename", "") for frame in stack) or "shardfn/_remat" in str(e)
 
 
 def _untraceable(e: Exception) -> str:

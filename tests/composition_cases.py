@@ -1,0 +1,362 @@
+"""The composition matrix's cells: each `shard` option under each entry point, on a model,
+run against its reference ([Note: the composition table] in shardfn/_fsdp/support.py).
+
+A cell is (model, option, entry). `run_cell` builds the option's step on the simulated
+mesh, runs the entry point on every rank, and checks the result against the reference:
+fp64 on one device over the global batch (within the option's tolerance: 1e-10 for the
+exact options), or, for `sf.estimate`, the eager step's own `stats()` bytes. A cell the
+table refuses must raise the table's error and nothing else.
+
+The MLP is two tensor-parallel-ready blocks (`w1` column-parallel, `w2` row-parallel), so
+the same model runs every option, TP included (its loss psums the row-parallel matmul
+over 'model' when the step is tensor parallel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import torch
+
+import shardfn as sf
+from shardfn._fsdp import support
+
+D, H, BLOCKS, PER_RANK, LR = 6, 8, 2, 4, 0.1
+EXACT = 1e-10
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    mesh_shape: tuple  # ((axis, size), ...)
+    shard_kwargs: dict
+    tol: float = EXACT  # max |got - want| / max |want| per tree
+    tp: bool = False
+    remat: bool = False
+    uneven: bool = False  # rank r holds PER_RANK + r examples (global_mean)
+    compressed: bool = False  # stats' all-gather bytes must be below the full-precision ones
+
+
+def _data(shape: tuple) -> dict:
+    return {"data_axes": tuple(a for a, _ in shape)} if len(shape) > 1 else {}
+
+
+SETUPS: dict[str, Setup] = {
+    "none": Setup((("data", 2),), {}),
+    "low_precision": Setup((("data", 2),), {"mixed_precision": sf.MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}, tol=3e-2),
+    "wire_int8": Setup((("data", 2),), {"mixed_precision": sf.MixedPrecision(
+        all_gather_dtype="int8", reduce_scatter_dtype="int8")}, tol=5e-2, compressed=True),
+    "wire_fp8": Setup((("data", 2),), {"mixed_precision": sf.MixedPrecision(
+        all_gather_dtype=torch.float8_e4m3fn)}, tol=1.5e-1, compressed=True),
+    "wire_cast": Setup((("data", 2),), {"mixed_precision": sf.MixedPrecision(
+        all_gather_dtype=torch.bfloat16)}, tol=3e-2, compressed=True),
+    "hsdp": Setup((("replica", 2), ("shard", 2)), {"data_axes": ("replica", "shard"), "shard_axes": "shard"}),
+    "hpz": Setup((("a", 2), ("b", 2)), {"data_axes": ("a", "b"), "reshard_after_forward": "b"}),
+    "frozen": Setup((("data", 2),), {"frozen": lambda path: path[-1] == "b1" and path[1] == 0}),
+    "tp": Setup((("data", 2), ("model", 2)), {"param_specs": lambda path: {
+        "w1": sf.P(None, "model"), "b1": sf.P("model"), "w2": sf.P("model", None)}.get(path[-1])}, tp=True),
+    "check_finite": Setup((("data", 2),), {"check_finite": True}),
+    "global_mean": Setup((("data", 2),), {"batch_weighting": "global_mean"}, uneven=True),
+    "prefetch": Setup((("data", 2),), {"prefetch": 2}),
+    "no_reshard": Setup((("data", 2),), {"reshard_after_forward": False}),
+    "remat": Setup((("data", 2),), {}, remat=True),
+}
+
+
+# -- the model -----------------------------------------------------------------------------
+
+
+def mlp_params(seed: int = 0, dtype=torch.float64) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    blocks = [{"w1": torch.randn(D, H, generator=g) / D ** 0.5, "b1": torch.randn(H, generator=g) * 0.1,
+               "w2": torch.randn(H, D, generator=g) / H ** 0.5, "b2": torch.randn(D, generator=g) * 0.1}
+              for _ in range(BLOCKS)]
+    return {"layers": [{k: v.to(dtype) for k, v in b.items()} for b in blocks],
+            "head": (torch.randn(D, 1, generator=g) / D ** 0.5).to(dtype)}
+
+
+def _block(p, x, tp: bool):
+    h = torch.tanh(x @ p["w1"] + p["b1"])
+    y = h @ p["w2"]
+    if tp:
+        y = sf.psum(y, "model")
+    return x + y + p["b2"]
+
+
+def make_loss(tp: bool = False, remat: bool = False) -> Callable:
+    block = functools.partial(_block, tp=tp)
+    if remat:
+        block = sf.remat(block)
+
+    def loss_fn(params, batch):
+        x, y = batch
+        for p in params["layers"]:
+            x = block(p, x)
+        return ((x @ params["head"] - y) ** 2).mean()
+
+    return loss_fn
+
+
+def global_batch(setup: Setup, n_ranks: int, dtype=torch.float64):
+    """Per data rank, its (x, y); and the whole batch."""
+    g = torch.Generator().manual_seed(1)
+    sizes = [PER_RANK + (r if setup.uneven else 0) for r in range(n_ranks)]
+    x = torch.randn(sum(sizes), D, generator=g).to(dtype)
+    y = torch.randn(sum(sizes), 1, generator=g).to(dtype)
+    parts = list(zip(x.split(sizes), y.split(sizes)))
+    return parts, (x, y)
+
+
+# -- references (fp64, one device, the global batch) -----------------------------------------
+
+
+def reference(setup: Setup, params, batch, entry: str):
+    loss_fn = make_loss()
+    if entry == "vmap":  # per-example gradients: every rank holds the same examples
+        x, y = batch
+        return _unfrozen(setup, torch.func.vmap(torch.func.grad(loss_fn), in_dims=(None, 0))(
+            params, (x[:, None], y[:, None])))
+    grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
+    return _unfrozen(setup, grads), loss
+
+
+def _unfrozen(setup: Setup, grads):
+    """Frozen leaves' gradients are zero."""
+    frozen = setup.shard_kwargs.get("frozen")
+    if frozen is None:
+        return grads
+    paths, leaves, treedef = sf._tree.flatten_with_paths(grads)
+    return sf._tree.unflatten(treedef, [torch.zeros_like(g) if frozen(p) else g for p, g in zip(paths, leaves)])
+
+
+# -- entry points -------------------------------------------------------------------------------
+
+
+def _full(step, tree):
+    return step.unshard_params(tree)
+
+
+def run_entry(entry: str, step, shards, batch, parts: list | None = None) -> dict:
+    """Run `entry` on this rank; return what it gives, gathered to full trees."""
+    if entry == "call":
+        return {"loss": step(shards, batch).detach()}
+    if entry == "train_step":
+        opt = sf.optim.sgd(LR)
+        new, _, loss = sf.train_step(step, opt)(shards, opt.init(shards), batch)
+        return {"loss": loss, "params": _full(step, new)}
+    if entry == "grad_and_value":
+        grads, loss = step.grad_and_value(shards, batch)
+        return {"loss": loss, "grads": _full(step, grads)}
+    if entry == "func_grad":
+        grads, loss = torch.func.grad_and_value(step)(shards, batch)
+        return {"loss": loss.detach(), "grads": _full(step, grads)}
+    if entry == "backward":
+        leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in sf._tree.flatten(shards)[0]]
+        tree = sf._tree.unflatten(sf._tree.flatten(shards)[1], leaves)
+        loss = step(tree, batch)
+        loss.backward()
+        grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
+        return {"loss": loss.detach(), "grads": _full(step, sf._tree.unflatten(sf._tree.flatten(shards)[1], grads))}
+    if entry == "vmap":
+        x, y = batch
+        per_example = torch.func.vmap(torch.func.grad(step), in_dims=(None, 0))(shards, (x[:, None], y[:, None]))
+        return {"per_example": [_full(step, sf._tree.tree_map(lambda g, i=i: g[i], per_example))
+                                for i in range(x.shape[0])]}
+    if entry.startswith("accumulate"):
+        mode = entry.partition(":")[2] or "reduce_each"
+        x, y = batch
+        micro = [(x[: len(x) // 2], y[: len(y) // 2]), (x[len(x) // 2:], y[len(y) // 2:])]
+        grads, loss = step.accumulate(shards, micro, mode=mode)
+        return {"loss": loss.detach(), "grads": _full(step, grads)}
+    raise KeyError(entry)
+
+
+# -- one cell ------------------------------------------------------------------------------
+
+
+def _max_rel(got, want) -> float:
+    paths, g_leaves, _ = sf._tree.flatten_with_paths(got)
+    w_leaves = sf._tree.flatten(want)[0]
+    top = max(float(w.abs().max()) for w in w_leaves) or 1.0
+    return max(float((g.to(torch.float64) - w).abs().max()) for g, w in zip(g_leaves, w_leaves)) / top
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(shape: tuple):
+    return sf.local_mesh(dict(shape))
+
+
+def data_rank(mesh, setup: Setup) -> tuple[int, int]:
+    """(this rank's index over the data axes, their size)."""
+    axes = setup.shard_kwargs.get("data_axes", ("data",))
+    axes = (axes,) if isinstance(axes, str) else axes
+    index, size = 0, 1
+    for a in axes:
+        index, size = index * mesh.shape[a] + mesh.coords[a], size * mesh.shape[a]
+    return index, size
+
+
+def run_cell(option: str, entry: str) -> list[str]:
+    """Run one (option, entry) cell on the MLP; returns the problems found ([] = equal to
+    the reference, or refused by the table's own error)."""
+    setup = SETUPS[option]
+    table_entry = entry.partition(":")[0]
+    refusal = support.cell(table_entry, option)
+    if table_entry == "estimate":
+        return _estimate_cell(option, setup, refusal)
+    if table_entry == "jit":
+        return _jit_refusal_cell(option, setup, refusal)
+    mesh = _mesh(setup.mesh_shape)
+    params = mlp_params()
+    loss_fn = make_loss(tp=setup.tp, remat=setup.remat)
+    step = sf.shard(loss_fn, mesh, **setup.shard_kwargs)
+
+    def body():
+        index, size = data_rank(mesh, setup)
+        parts, whole = global_batch(setup, size)
+        batch = parts[index]
+        if entry == "vmap":  # per-example gradients: every rank holds the same examples
+            batch = parts[0]
+            whole = parts[0]
+        shards = step.shard_params(params)
+        try:
+            got = run_entry(entry, step, shards, batch)
+        except sf.ShardingError as e:
+            return ("refused", str(e))
+        return ("ran", got, whole, step.stats())
+
+    results = mesh.run(body)
+    problems = []
+    if refusal is not None:
+        want = support.refusal(table_entry, [option])
+        for r in results:
+            if r[0] != "refused" or str(want) not in r[1]:
+                problems.append(f"expected the table's refusal {str(want)[:80]!r}, got {r[0]}: {str(r[1])[:300]}")
+        return problems
+    for r in results:
+        if r[0] == "refused":
+            problems.append(f"refused, but the table supports it: {r[1][:400]}")
+            continue
+        _, got, whole, stats = r
+        problems += _compare(setup, params, whole, entry, got, stats)
+    return problems
+
+
+def _compare(setup, params, whole, entry, got, stats) -> list[str]:
+    problems = []
+    want_grads, want_loss = reference(setup, params, whole, "grads") if entry != "vmap" else (None, None)
+    if "loss" in got:
+        err = abs(float(got["loss"]) - float(want_loss)) / max(abs(float(want_loss)), 1e-30)
+        if not err <= setup.tol:
+            problems.append(f"loss off by {err:.3g} (relative; tol {setup.tol})")
+    if "grads" in got:
+        err = _max_rel(got["grads"], want_grads)
+        if not err <= setup.tol:
+            problems.append(f"grads off by {err:.3g} (max |err| / max |grad|; tol {setup.tol})")
+    if "params" in got:
+        want = sf._tree.tree_map(lambda p, g: p - LR * g, params, want_grads)
+        err = _max_rel(got["params"], want)
+        if not err <= setup.tol:
+            problems.append(f"params after one SGD step off by {err:.3g} (tol {setup.tol})")
+    if "per_example" in got:
+        want = reference(setup, params, whole, "vmap")
+        for i, g in enumerate(got["per_example"]):
+            err = _max_rel(g, sf._tree.tree_map(lambda w: w[i], want))
+            if not err <= setup.tol:
+                problems.append(f"example {i}'s gradient off by {err:.3g} (tol {setup.tol})")
+                break
+    if setup.compressed:  # the wire format was used: fewer bytes than the same entry in full precision
+        full = _full_precision_bytes(entry)
+        if not 0 < stats["all_gather_bytes"] <= full // 2:
+            problems.append(f"all-gather bytes {stats['all_gather_bytes']} are not compressed (full precision: {full})")
+    return problems
+
+
+@functools.lru_cache(maxsize=None)
+def _full_precision_bytes(entry: str) -> int:
+    mesh = _mesh(SETUPS["none"].mesh_shape)
+    step = sf.shard(make_loss(), mesh)
+    parts, _ = global_batch(SETUPS["none"], mesh.size)
+
+    def body():
+        run_entry(entry, step, step.shard_params(mlp_params()), parts[mesh.rank])
+        return step.stats()["all_gather_bytes"]
+
+    return max(mesh.run(body))
+
+
+def _estimate_cell(option: str, setup: Setup, refusal) -> list[str]:
+    """sf.estimate's collective bytes equal the eager step's stats() (its grad_and_value,
+    the path sf.train_step takes), or the table's refusal."""
+    params = mlp_params()
+    loss_fn = make_loss(tp=setup.tp, remat=setup.remat)
+    shape = dict(setup.mesh_shape)
+    parts, _ = global_batch(setup, 2)
+    try:
+        est = sf.estimate(loss_fn, params, (torch.Size([PER_RANK, D]), torch.Size([PER_RANK, 1])), shape,
+                          dtype=torch.float64, **setup.shard_kwargs)
+    except sf.ShardingError as e:
+        want = support.refusal("estimate", [option])
+        if want is not None and str(want) in str(e):
+            return []
+        return [f"sf.estimate raised: {str(e)[:400]}"]
+    if refusal is not None:
+        return ["sf.estimate ran, but the table refuses it"]
+    if setup.uneven:  # the dry run gives every rank the same batch shape; compare on equal batches
+        setup = dataclasses.replace(setup, uneven=False)
+    mesh = _mesh(setup.mesh_shape)
+    step = sf.shard(loss_fn, mesh, **setup.shard_kwargs)
+
+    def body():
+        index, size = data_rank(mesh, setup)
+        parts, _ = global_batch(setup, size)
+        shards = step.shard_params(params)
+        step(shards, parts[index])  # the estimate's first forward, which learns the order
+        step.grad_and_value(shards, parts[index])
+        return step.stats()
+
+    stats = max(mesh.run(body), key=lambda s: s["all_gather_bytes"])
+    problems = []
+    for key in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "peak_gathered_bytes"):
+        if getattr(est, key) != stats[key]:
+            problems.append(f"sf.estimate's {key} {getattr(est, key)} != the step's {stats[key]}")
+    return problems
+
+
+def _jit_refusal_cell(option: str, setup: Setup, refusal) -> list[str]:
+    """On the simulated mesh sf.jit runs nothing, but checks the options first: a refused
+    option raises the table's error (a supported one gets to the backend check)."""
+    mesh = _mesh(setup.mesh_shape)
+    step = sf.shard(make_loss(tp=setup.tp, remat=setup.remat), mesh, **setup.shard_kwargs)
+    params = mlp_params()
+
+    def body():
+        index, size = data_rank(mesh, setup)
+        parts, _ = global_batch(setup, size)
+        shards = step.shard_params(params)
+        opt = sf.optim.sgd(LR)
+        try:
+            sf.jit(step, opt, backend="aot_eager")(shards, opt.init(shards), parts[index])
+        except sf.ShardingError as e:
+            return str(e)
+        return "ran"
+
+    messages = mesh.run(body)
+    want = support.refusal("jit", [option])
+    problems = []
+    if option == "remat":  # found while tracing, on processes (tests/test_composition.py)
+        want = None
+    for m in messages:
+        if want is not None and str(want) not in m:
+            problems.append(f"expected the table's refusal, got: {m[:300]}")
+        if want is None and "needs the distributed backend" not in m:
+            problems.append(f"expected the backend refusal on the simulated mesh, got: {m[:300]}")
+    return problems
+
+
+ENTRY_KEYS = ("call", "train_step", "grad_and_value", "func_grad", "backward", "vmap", "accumulate:reduce_each",
+              "accumulate:reduce_once", "jit", "estimate")
+CELLS: list[tuple[str, str]] = [(o, e) for o in SETUPS for e in ENTRY_KEYS]
+

@@ -1,0 +1,157 @@
+"""The composition matrix: every `shard` option under every entry point, generated from
+the one table ([Note: the composition table] in shardfn/_fsdp/support.py).
+
+Each cell on the MLP (tests/composition_cases.py) is equal to its reference or refused by
+the table's own error. sf.jit's supported cells need processes (the traced step runs on
+the distributed backend only): they run in the slow set, bit for bit against eager
+`sf.train_step` with the same option (aot_eager); its refused cells are checked here on
+the simulated mesh, where sf.jit checks the options before the backend.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+import shardfn as sf
+from shardfn._fsdp import support
+from shardfn.testing import run_multiprocess
+
+import composition_cases as cases
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "composition.md"
+
+
+@pytest.mark.parametrize("option, entry", cases.CELLS, ids=[f"{o}-{e}" for o, e in cases.CELLS])
+def test_every_cell_on_the_mlp_is_right_or_refused_by_the_table(option, entry):
+    assert cases.run_cell(option, entry) == []
+
+
+def test_the_table_covers_every_option_and_entry_the_matrix_runs():
+    assert {o.key for o in support.OPTIONS} == set(cases.SETUPS)
+    assert {e.key for e in support.ENTRIES} == {e.partition(":")[0] for e in cases.ENTRY_KEYS}
+    for entry, option in support.REFUSED:
+        assert support.cell(entry, option) is not None
+    with pytest.raises(KeyError, match="no cell"):
+        support.cell("jit", "no such option")
+
+
+def test_the_docs_page_is_the_table():
+    page = DOCS.read_text()
+    assert support.markdown() in page, (
+        "docs/composition.md is not the table in shardfn/_fsdp/support.py; regenerate it with "
+        "`python scripts/gen_composition_docs.py`")
+
+
+def test_a_refusal_names_every_refused_option_the_reasons_and_the_fix():
+    error = support.refusal("jit", ["hsdp", "wire_int8", "prefetch"])
+    message = str(error)
+    assert message.startswith("sf.jit(step, opt) does not support these options of the step:\n")
+    assert "  - shard_axes within data_axes (HSDP): the replica all-reduce" in message
+    assert "  - MixedPrecision(all_gather_dtype='int8', reduce_scatter_dtype='int8'): the traced step's" in message
+    assert "prefetch=2" not in message  # supported
+    assert "Fix: drop the option, or train eagerly with sf.train_step(step, opt)" in message
+    assert support.refusal("jit", ["prefetch", "none"]) is None
+
+
+def test_the_matrix_catches_a_wrong_gradient_and_a_wrong_refusal(monkeypatch):
+    setup = cases.SETUPS["none"]
+    params = cases.mlp_params()
+    _, whole = cases.global_batch(setup, 2)
+    grads, loss = cases.reference(setup, params, whole, "grads")
+    # a gradient scaled by the world size (a forgotten 1/N) is caught
+    wrong = {"loss": loss, "grads": sf._tree.tree_map(lambda g: 2 * g, grads)}
+    problems = cases._compare(setup, params, whole, "grad_and_value", wrong, {})
+    assert len(problems) == 1 and problems[0].startswith("grads off by 1 ")
+    # a refusal the table does not list fails the cell; so does a cell the table refuses that runs
+    monkeypatch.setitem(support.REFUSED, ("grad_and_value", "prefetch"), support.Refusal("planted", "none"))
+    assert cases.run_cell("prefetch", "grad_and_value")[0].startswith("expected the table's refusal")
+
+
+def test_vmap_over_the_batch_with_global_mean_is_the_tables_refusal():
+    problems = cases.run_cell("global_mean", "vmap")
+    assert problems == []
+    assert "vmap over the batch hides each rank's batch size" in str(support.refusal("vmap", ["global_mean"]))
+
+
+def test_accumulate_with_global_mean_weighs_micro_batches_by_their_global_size():
+    """Uneven micro-batches (rank r: 4 + r examples, split 2 / 2 + r): the mean over the
+    step's global examples, as one big batch (it was the mean of the micro-batch means)."""
+    for mode in ("reduce_each", "reduce_once"):
+        assert cases.run_cell("global_mean", f"accumulate:{mode}") == []
+
+
+def test_estimate_with_check_finite_counts_the_flag_all_reduces():
+    est = sf.estimate(cases.make_loss(), cases.mlp_params(), (torch.Size([4, cases.D]), torch.Size([4, 1])),
+                      {"data": 2}, dtype=torch.float64, check_finite=True)
+    plain = sf.estimate(cases.make_loss(), cases.mlp_params(), (torch.Size([4, cases.D]), torch.Size([4, 1])),
+                        {"data": 2}, dtype=torch.float64)
+    units = cases.BLOCKS + 1
+    assert est.all_reduce_bytes - plain.all_reduce_bytes == 4 * (units + 1)  # a float32 flag per unit and the loss
+    assert est.num_collectives - plain.num_collectives == units + 1
+
+
+# -- sf.jit on processes ---------------------------------------------------------------------
+
+JIT_SUPPORTED = [o.key for o in support.OPTIONS if support.cell("jit", o.key) is None]
+
+
+def _jit_vs_eager(option: str, steps: int = 3):
+    setup = cases.SETUPS[option]
+    mesh = sf.init_mesh(dict(setup.mesh_shape), timeout=60)
+    loss_fn = cases.make_loss(tp=setup.tp, remat=setup.remat)
+    step = sf.shard(loss_fn, mesh, **setup.shard_kwargs)
+    index, size = cases.data_rank(mesh, setup)
+    parts, _ = cases.global_batch(setup, size)
+    batch = parts[index]
+    opt = sf.optim.adamw(1e-2)
+    shards = step.shard_params(cases.mlp_params())
+    state = opt.init(shards)
+    eager_shards, eager_state = shards, state
+    traced = sf.jit(step, opt, backend="aot_eager")
+    eager = sf.train_step(step, opt)
+    out = {"losses": [], "eager_losses": []}
+    try:
+        for _ in range(steps):
+            shards, state, loss = traced(shards, state, batch)
+            out["losses"].append(float(loss))
+            traced_stats = traced.stats()
+            eager_shards, eager_state, eager_loss = eager(eager_shards, eager_state, batch)
+            out["eager_losses"].append(float(eager_loss))
+    except sf.SpecError as e:
+        return {"refused": str(e)}
+    out["equal"] = all(torch.equal(a, b) for a, b in zip(sf._tree.flatten(shards)[0],
+                                                         sf._tree.flatten(eager_shards)[0]))
+    out["bytes"] = (traced_stats["all_gather_bytes"], traced_stats["reduce_scatter_bytes"])
+    out["eager_bytes"] = (step.stats()["all_gather_bytes"], step.stats()["reduce_scatter_bytes"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("option", JIT_SUPPORTED + ["remat"])
+def test_jit_cells_on_processes_equal_eager_train_step_bit_for_bit(option):
+    for out in run_multiprocess(_jit_vs_eager, 2 if len(cases.SETUPS[option].mesh_shape) == 1 else 4, option,
+                                timeout=240):
+        refusal = support.cell("jit", option)
+        if refusal is not None:
+            assert str(support.refusal("jit", [option])) in out.get("refused", ""), out
+            continue
+        assert "refused" not in out, out["refused"]
+        assert out["losses"] == out["eager_losses"]
+        assert out["equal"]
+        # the traced step skips the last unit's re-gather ([Note: the last unit] in _traced/): fewer bytes
+        assert out["bytes"][1] == out["eager_bytes"][1]
+        assert out["bytes"][0] <= out["eager_bytes"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+@pytest.mark.multiprocess
+def test_jit_refuses_int8_before_tracing_on_processes():
+    """The silent drop this table replaced: sf.jit with an int8 wire communicated in fp32."""
+    out = run_multiprocess(_jit_vs_eager, 2, "wire_int8", timeout=120)
+    for o in out:
+        assert str(support.refusal("jit", ["wire_int8"])) in o["refused"]
