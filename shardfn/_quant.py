@@ -15,8 +15,17 @@ is the format and nothing else: pure functions on the last dim, any leading dims
 
 A row of `n` elements is `[scales | payload | padding]`, padded to a multiple of 8 bytes so
 every row's scales and payload are aligned for `.view(dtype)`. Scales are float32 (float64
-when the tensor is float64, so huge float64 values keep their range). `nbytes(n)` is the
-row's size: for "int8" with float32 masters, `n + 4 * ceil(n / block)` rounded up to 8.
+when the tensor is float64, so huge float64 values keep their range).
+
+Segments: a row may be cut into `segments` (sizes summing to `n`; default one segment, the
+whole row), and the blocks restart at each segment's start: a segment of `c` elements is
+`ceil(c / block)` blocks, its last one partial, and no block spans two segments. `shard`'s
+all-gather passes the unit's leaves' chunk sizes ([Note: quantized all-gather] in
+_fsdp/gather.py), so each leaf is scaled by its own values: every sharded leaf, 1-D ones
+(norms, biases) included, has its own scales, never a neighbour's. The scales lie in
+segment order, then block order. `nbytes(n, segments)` is the row's size: for "int8" with
+float32 masters, `n + 4 * (sum over segments of ceil(c / block))` rounded up to 8 (one
+segment: `n + 4 * ceil(n / block)`). An empty segment has no block and no scale.
 
 [Note: quantization error bound]
 Per element, |x - decode(encode(x))| <= `bound(x)`:
@@ -88,41 +97,60 @@ def scale_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _blocks(n: int, wire: Wire) -> int:
-    return -(-n // wire.block) if wire.scaled else 0
+class _Span(NamedTuple):
+    """One segment of a row: elements [start, stop); whole blocks end at `mid`, the partial
+    last block is [mid, stop); its blocks' scales start at `first`."""
+
+    start: int
+    mid: int
+    stop: int
+    first: int  # index of its first block (scale) in the row
+    whole: int  # whole blocks: (mid - start) // block
 
 
-def _layout(n: int, wire: Wire, dtype: torch.dtype) -> tuple[int, int, int]:
+def _spans(n: int, block: int, segments) -> tuple[_Span, ...]:
+    """The row's segments ([Note: wire formats]); `segments=None` is one, the whole row."""
+    sizes = (n,) if segments is None else tuple(segments)
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in sizes) or sum(sizes) != n:
+        raise SpecError(f"wire format: segments must be non-negative ints summing to the row's {n} "
+                        f"elements, got {sizes!r:.80}")
+    out, start, first = [], 0, 0
+    for c in sizes:
+        whole = c // block
+        out.append(_Span(start, start + whole * block, start + c, first, whole))
+        start, first = start + c, first + -(-c // block)
+    return tuple(out)
+
+
+def _blocks(n: int, wire: Wire, segments=None) -> int:
+    if not wire.scaled:
+        return 0
+    return sum(-(-c // wire.block) for c in segments) if segments is not None else -(-n // wire.block)
+
+
+def _layout(n: int, wire: Wire, dtype: torch.dtype, segments=None) -> tuple[int, int, int]:
     """(scale bytes, payload bytes, row bytes) of an `n`-element row."""
-    scale_bytes = _blocks(n, wire) * scale_dtype(dtype).itemsize
+    scale_bytes = _blocks(n, wire, segments) * scale_dtype(dtype).itemsize
     payload = n * wire.dtype.itemsize
     return scale_bytes, payload, -(-(scale_bytes + payload) // _ALIGN) * _ALIGN
 
 
-def nbytes(n: int, wire: Wire, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of one encoded row of `n` elements of `dtype` (scales, payload, padding)."""
-    return _layout(n, wire, dtype)[2]
+def nbytes(n: int, wire: Wire, dtype: torch.dtype = torch.float32, segments=None) -> int:
+    """Bytes of one encoded row of `n` elements of `dtype` (scales, payload, padding);
+    `segments`: the sizes the blocks restart at ([Note: wire formats])."""
+    if segments is not None:
+        _spans(n, wire.block, segments)  # checks them
+    return _layout(n, wire, dtype, segments)[2]
 
 
 def _qmax(wire: Wire) -> float:
     return 127.0 if wire.kind == "int8" else torch.finfo(wire.dtype).max
 
 
-def _by_block(x: torch.Tensor, wire: Wire) -> torch.Tensor:
-    """(*lead, n) -> (*lead, blocks, block), zero-padded."""
-    n = x.shape[-1]
-    blocks = _blocks(n, wire)
-    pad = blocks * wire.block - n
-    if pad:
-        x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(*x.shape[:-1], blocks, wire.block)  # explicit: a (0, n) tensor has no -1
-
-
-def _parts(x: torch.Tensor, wire: Wire) -> tuple[torch.Tensor, torch.Tensor]:
-    """(*lead, n) -> views, no copy: the whole blocks (*lead, n // block, block) and the
-    partial last block's (*lead, n % block) elements (padding would copy the whole row)."""
-    full = x.shape[-1] // wire.block * wire.block
-    return x[..., :full].unflatten(-1, (full // wire.block, wire.block)), x[..., full:]
+def _parts(x: torch.Tensor, span: _Span, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(*lead, n) -> views of one segment, no copy: its whole blocks (*lead, whole, block)
+    and its partial last block's elements (*lead, stop - mid) (padding would copy)."""
+    return x[..., span.start:span.mid].unflatten(-1, (span.whole, block)), x[..., span.mid:span.stop]
 
 
 class NonFiniteWire(SpecError):
@@ -137,16 +165,26 @@ def _refuse_non_finite(x: torch.Tensor, wire: Wire, what: str) -> None:
                         f"communicate without compression.")
 
 
-def _scales(x: torch.Tensor, wire: Wire, check: bool = False, what: str = "encode") -> torch.Tensor:
-    """Per-block scales (*lead, blocks) in the scale dtype: amax / qmax, at least the dtype's
-    tiny, and at most max / qmax * (1 - 2**-20), so that q * scale never rounds past the
-    dtype's max (decode needs no clamp; a block at the max loses 2**-20 of it, far below
-    half a step). (abs + amax measured 6x faster than a vector inf-norm on CPU.)"""
+def _scales(x: torch.Tensor, wire: Wire, spans: tuple[_Span, ...], check: bool = False, what: str = "encode"
+            ) -> torch.Tensor:
+    """Per-block scales (*lead, blocks) in the scale dtype, segment by segment: amax / qmax,
+    at least the dtype's tiny, and at most max / qmax * (1 - 2**-20), so that q * scale
+    never rounds past the dtype's max (decode needs no clamp; a block at the max loses
+    2**-20 of it, far below half a step). (abs + amax measured 6x faster than a vector
+    inf-norm on CPU.)"""
     sdt = scale_dtype(x.dtype)
-    blocks, tail = _parts(x if x.dtype == sdt else x.to(sdt), wire)
-    amax = blocks.abs().amax(-1)  # NaN propagates: the check sees it
-    if tail.shape[-1]:
-        amax = torch.cat([amax, tail.abs().amax(-1, keepdim=True)], dim=-1)
+    x = x if x.dtype == sdt else x.to(sdt)
+    pieces = []  # NaN propagates through amax: the check sees it
+    for span in spans:
+        blocks, tail = _parts(x, span, wire.block)
+        if span.whole:
+            pieces.append(blocks.abs().amax(-1))
+        if tail.shape[-1]:
+            pieces.append(tail.abs().amax(-1, keepdim=True))
+    if len(pieces) == 1:
+        amax = pieces[0]
+    else:
+        amax = torch.cat(pieces, dim=-1) if pieces else x.new_empty(x.shape[:-1] + (0,))
     if check and not bool(torch.isfinite(amax).all()):  # before the clamp, which would hide an inf
         _refuse_non_finite(x, wire, what)
     info, qmax = torch.finfo(sdt), _qmax(wire)
@@ -157,16 +195,19 @@ def _scales(x: torch.Tensor, wire: Wire, check: bool = False, what: str = "encod
     return scales.masked_fill_((scales > cap) & torch.isfinite(scales), cap)
 
 
-def encode(x: torch.Tensor, wire: Wire, *, check: bool = True, what: str = "encode") -> torch.Tensor:
-    """(*lead, n) floats -> (*lead, nbytes(n)) uint8 rows ([Note: wire formats]).
+def encode(x: torch.Tensor, wire: Wire, *, segments=None, check: bool = True, what: str = "encode"
+           ) -> torch.Tensor:
+    """(*lead, n) floats -> (*lead, nbytes(n, segments)) uint8 rows ([Note: wire formats]).
 
-    `check`: refuse NaN / inf (and, for casts, values beyond the dtype's range) with a
-    SpecError naming `what`; it reads the blocks' amax (or a cast's) on the host, no extra
-    pass over x, but a sync (skip it where that costs)."""
+    `segments`: sizes summing to n; each segment's blocks start at its start (None: one
+    segment, the row). `check`: refuse NaN / inf (and, for casts, values beyond the dtype's
+    range) with a SpecError naming `what`; it reads the blocks' amax (or a cast's) on the
+    host, no extra pass over x, but a sync (skip it where that costs)."""
     if not x.is_floating_point():
         raise SpecError(f"{what}: a wire format encodes floating tensors, got {x.dtype}")
     lead, n = tuple(x.shape[:-1]), x.shape[-1]
-    scale_bytes, payload_bytes, row = _layout(n, wire, x.dtype)
+    spans = _spans(n, wire.block, segments)
+    scale_bytes, payload_bytes, row = _layout(n, wire, x.dtype, segments)
     out = torch.empty(lead + (row,), dtype=torch.uint8, device=x.device)
     if wire.kind == "cast":
         if check and x.numel():  # one pass: NaN propagates through amax, inf shows as itself
@@ -178,19 +219,21 @@ def encode(x: torch.Tensor, wire: Wire, *, check: bool = True, what: str = "enco
                                 f"({torch.finfo(wire.dtype).max:.3g}).\nFix: use a scaled format "
                                 f"('int8' or float8 with per-block scales) or no compression.")
     else:
-        scales = _scales(x, wire, check, what)  # refuses a block whose amax is NaN / inf
+        xs = x.to(scale_dtype(x.dtype))  # no copy for float32 / float64
+        scales = _scales(xs, wire, spans, check, what)  # refuses a block whose amax is NaN / inf
         payload = out[..., scale_bytes:scale_bytes + payload_bytes].view(wire.dtype).view(lead + (n,))
-        blocks, tail = _parts(x.to(scales.dtype), wire)
-        whole = blocks.shape[-2]
-        for part, scale, dest in ((blocks, scales[..., :whole, None], payload[..., :whole * wire.block]),
-                                  (tail, scales[..., whole:], payload[..., whole * wire.block:])):
-            if not part.shape[-1] or not part.numel():
-                continue
-            scaled = torch.div(part, scale)
-            if wire.kind == "int8":  # |x / scale| <= 127 (1 + 2**-19): rounds to at most 127, no clamp
-                scaled.round_()
-            # fp8: |x / scale| <= max (1 + 2**-19) rounds to the max (e4m3fn's NaN starts past 464): no clamp
-            dest.copy_(scaled.reshape(dest.shape))  # the cast to int8 / fp8 in the same pass
+        for span in spans:
+            blocks, tail = _parts(xs, span, wire.block)
+            last = span.first + span.whole
+            for part, scale, dest in ((blocks, scales[..., span.first:last, None], payload[..., span.start:span.mid]),
+                                      (tail, scales[..., last:last + 1], payload[..., span.mid:span.stop])):
+                if not part.shape[-1] or not part.numel():
+                    continue
+                scaled = torch.div(part, scale)
+                if wire.kind == "int8":  # |x / scale| <= 127 (1 + 2**-19): rounds to at most 127, no clamp
+                    scaled.round_()
+                # fp8: |x / scale| <= max (1 + 2**-19) rounds to the max (e4m3fn's NaN starts past 464): no clamp
+                dest.copy_(scaled.reshape(dest.shape))  # the cast to int8 / fp8 in the same pass
         out[..., :scale_bytes].copy_(scales.view(torch.uint8).reshape(lead + (scale_bytes,)))
     if wire.kind == "cast":
         out[..., scale_bytes:scale_bytes + payload_bytes].view(wire.dtype).view(lead + (n,)).copy_(x)
@@ -217,45 +260,61 @@ def _fp8_to_float(q: torch.Tensor, dtype: torch.dtype, *, scaled: bool = True) -
     return value.mul_(256.0).masked_fill_(magnitude == 0x7F, float("nan"))
 
 
-def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """(*lead, nbytes(n)) uint8 rows -> (*lead, n) in `dtype` (into `out` if given).
+def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, segments=None,
+           out: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor | list[torch.Tensor]:
+    """(*lead, nbytes(n, segments)) uint8 rows -> (*lead, n) in `dtype`, or into `out`: a
+    (*lead, n) tensor, or one (*lead, c) tensor per segment (e.g. each leaf's place in a
+    unit's buffer), of any float dtype, each with unit stride in its last dim.
 
     `dtype` is the dtype the rows were encoded from (it fixes the scale dtype) or any float
-    dtype for casts."""
-    scale_bytes, payload_bytes, row = _layout(n, wire, dtype)
+    dtype for casts. Each block is one multiply of the payload by its scale, written
+    straight into its destination (computed in the scale dtype, rounded once into `out`'s):
+    no full-size float temporary beside the result, but fp8's own conversion (one row)."""
+    spans = _spans(n, wire.block, segments)
+    scale_bytes, payload_bytes, row = _layout(n, wire, dtype, segments)
     if rows.shape[-1] != row:
         raise SpecError(f"decode: rows of {rows.shape[-1]} bytes, expected {row} for {n} elements of "
-                        f"{wire.describe()} (block {wire.block})")
+                        f"{wire.describe()} (block {wire.block}"
+                        + (f", segments {tuple(segments)!r:.80})" if segments is not None else ")"))
     lead = tuple(rows.shape[:-1])
     rows = rows.contiguous()
     q = rows[..., scale_bytes:scale_bytes + payload_bytes].view(wire.dtype)
-    if wire.kind == "cast":
-        value = q
+    if isinstance(out, (list, tuple)):
+        if len(out) != len(spans):
+            raise SpecError(f"decode: {len(out)} outputs for {len(spans)} segments")
+        result, targets = out, list(out)
     else:
-        scales = rows[..., :scale_bytes].view(scale_dtype(dtype))
-        if wire.kind == "fp8":
-            q = _fp8_to_float(q, scales.dtype, scaled=False)
-            if wire.dtype == torch.float8_e4m3fn:  # its 2**8 folded into the (small) scales
-                scales = scales * 256.0
-        target = out if out is not None and out.dtype == scales.dtype and out.is_contiguous() else None
-        if target is not None and (n % wire.block == 0 or not lead):  # q * scale straight into `out`, one pass
-            full = n // wire.block * wire.block
-            target = target.view(lead + (n,))
-            torch.mul(q[..., :full].view(lead + (-1, wire.block)), scales[..., :full // wire.block].unsqueeze(-1),
-                      out=target[..., :full].view(lead + (-1, wire.block)))
-            if full < n:  # the last, partial block (one row: `lead` is empty)
-                torch.mul(q[full:], scales[-1], out=target[full:])
-            return out
-        value = (_by_block(q, wire) * scales.unsqueeze(-1)).flatten(-2)[..., :n]
-    if out is None:
-        return value.to(dtype)
-    out.copy_(value.reshape(out.shape))
-    return out
+        result = torch.empty(lead + (n,), dtype=dtype, device=rows.device) if out is None else out
+        whole_row = result if tuple(result.shape) == lead + (n,) else result.view(lead + (n,))
+        targets = [whole_row[..., span.start:span.stop] for span in spans]
+    if not n:  # no payload and no scales (a row of 0 bytes cannot be viewed as scales)
+        return result
+    if wire.kind == "cast":
+        for span, target in zip(spans, targets):
+            target.copy_(q[..., span.start:span.stop].view(target.shape))
+        return result
+    scales = rows[..., :scale_bytes].view(scale_dtype(dtype))
+    if wire.kind == "fp8":
+        q = _fp8_to_float(q, scales.dtype, scaled=False)
+        if wire.dtype == torch.float8_e4m3fn:  # its 2**8 folded into the (small) scales
+            scales = scales * 256.0
+    for span, target in zip(spans, targets):
+        size = span.stop - span.start
+        if tuple(target.shape) != lead + (size,):
+            target = target.view(lead + (size,))
+        blocks, tail = _parts(q, span, wire.block)
+        last = span.first + span.whole
+        if span.whole:  # q * scale straight into its place, one pass
+            torch.mul(blocks, scales[..., span.first:last, None],
+                      out=target[..., :span.mid - span.start].unflatten(-1, (span.whole, wire.block)))
+        if span.mid < span.stop:  # the segment's last, partial block
+            torch.mul(tail, scales[..., last:last + 1], out=target[..., span.mid - span.start:])
+    return result
 
 
-def bound(x: torch.Tensor, wire: Wire) -> torch.Tensor:
-    """Per element, the largest |x - decode(encode(x))| allowed ([Note: quantization error bound])."""
+def bound(x: torch.Tensor, wire: Wire, *, segments=None) -> torch.Tensor:
+    """Per element, the largest |x - decode(encode(x, segments=...))| allowed ([Note:
+    quantization error bound]): each block's step from its own segment's values."""
     sdt = scale_dtype(x.dtype)
     a = x.to(sdt).abs()
     # decoded into x's dtype: a half-precision x adds its own rounding of the result
@@ -264,8 +323,11 @@ def bound(x: torch.Tensor, wire: Wire) -> torch.Tensor:
         m = _CASTS[wire.dtype]
         sub = torch.finfo(wire.dtype).smallest_normal * 2.0 ** -m
         return a * 2.0 ** -(m + 1) + sub / 2
-    n = x.shape[-1]
-    step = _scales(x, wire).repeat_interleave(wire.block, dim=-1)[..., :n]
+    spans = _spans(x.shape[-1], wire.block, segments)
+    scales = _scales(x, wire, spans)
+    steps = [scales[..., span.first:span.first + -(-(span.stop - span.start) // wire.block)]
+             .repeat_interleave(wire.block, dim=-1)[..., :span.stop - span.start] for span in spans]
+    step = torch.cat(steps, dim=-1) if steps else a
     if wire.kind == "int8":
         return step / 2 + own
     m, e_min = _FP8[wire.dtype]

@@ -2,11 +2,12 @@
 
 References are built here from `shardfn._quant` on the full leaves: each rank's shard
 buffer is the concatenation of its `torch.chunk` of every leaf of a unit (zero-padded to
-the chunk size), encoded and decoded; `loss_fn` must see exactly those values, each within
-`bound` of the master value. Gradients: the quantizer is the identity for differentiation
+the chunk size), encoded and decoded with the leaves' chunks as segments (scales per leaf:
+tests/test_quant_leaves.py); `loss_fn` must see exactly those values, each within `bound`
+of the master value. Gradients: the quantizer is the identity for differentiation
 (straight-through), so the step's gradient must equal the exact fp32 gradient evaluated at
 the decoded parameters; that is how the error bound enters the gradient, and it is checked
-to fp32 round-off. Traffic: `k * nbytes(S)` per unit gather, against `stats()` and the
+to fp32 round-off. Traffic: `k * nbytes(S, segments)` per unit gather, against `stats()` and the
 backend's recording.
 """
 
@@ -25,7 +26,7 @@ from shardfn.testing import run_on_mesh
 from tests import traffic
 
 WIRES = {"int8": "int8", "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "bf16": torch.bfloat16}
-BLOCK = 8  # small: blocks span leaf boundaries and padding
+BLOCK = 8  # small: several blocks per leaf, partial last blocks, padding inside blocks
 
 
 def make_params(seed=0, dtype=torch.float32):
@@ -65,6 +66,11 @@ def seen_recorder():
     return (lambda p, x: loss_fn(p, x, record)), seen
 
 
+def leaf_segments(unit):
+    """The unit's leaves' chunk sizes: where the wire's blocks restart."""
+    return tuple(layout.chunk_numel for layout in unit.sharded)
+
+
 def reference(plan, params, wire, compute=None):
     """Per leaf path, the full leaf as the quantized gather must produce it (built from
     `_quant` on the full leaves' chunks), after checking every element against `bound`."""
@@ -81,8 +87,9 @@ def reference(plan, params, wire, compute=None):
                 chunk = chunks[r].reshape(-1) if r < len(chunks) else torch.zeros(0, dtype=layout.dtype)
                 pieces.append(torch.nn.functional.pad(chunk, (0, layout.chunk_numel - chunk.numel())))
             buf = torch.cat(pieces)  # (S,) rank r's shard buffer in the masters' dtype
-            dec = _quant.decode(_quant.encode(buf, wire), wire, buf.numel(), buf.dtype)
-            assert bool(((dec - buf).abs() <= _quant.bound(buf, wire)).all())
+            segs = leaf_segments(unit)
+            dec = _quant.decode(_quant.encode(buf, wire, segments=segs), wire, buf.numel(), buf.dtype, segments=segs)
+            assert bool(((dec - buf).abs() <= _quant.bound(buf, wire, segments=segs)).all())
             rows.append(dec.to(compute or buf.dtype))
         for layout in unit.sharded:
             region = torch.stack([row[layout.offset: layout.offset + layout.chunk_numel] for row in rows])
@@ -96,7 +103,7 @@ def expected_gather_bytes(plan, wire, *, reshard=True):
     for unit in plan.units:
         if unit.sharded:
             times = 1 if (unit.is_root or not reshard) else 2
-            total += times * unit.k * _quant.nbytes(unit.shard_numel, wire, unit.dtype)
+            total += times * unit.k * _quant.nbytes(unit.shard_numel, wire, unit.dtype, leaf_segments(unit))
     return total
 
 
@@ -304,8 +311,9 @@ def test_vmap_ensemble_equals_each_member():
         for b, (g, loss) in enumerate(each):
             assert float(losses[b]) == pytest.approx(float(loss), rel=1e-6)
             sf.testing.assert_trees_allclose(optree.tree_map(lambda t: t[b], grads), g, rtol=1e-5, atol=1e-7)
-        # one (B, nbytes(S)) all-gather per unit: B encoded rows per rank
-        assert sent == sum(3 * u.k * _quant.nbytes(u.shard_numel, wire) for u in plan.units if u.sharded)
+        # one (B, nbytes(S, segments)) all-gather per unit: B encoded rows per rank
+        assert sent == sum(3 * u.k * _quant.nbytes(u.shard_numel, wire, segments=leaf_segments(u))
+                           for u in plan.units if u.sharded)
 
 
 def test_nan_in_params_names_the_unit_and_leaf():
@@ -341,7 +349,7 @@ def test_estimate_reports_the_compressed_traffic_and_the_encoded_buffers():
     wire = _quant.Wire.of("int8", BLOCK)
     assert est.all_gather_bytes == stats["all_gather_bytes"] == expected_gather_bytes(plan, wire)
     assert est.peak_gathered_bytes == stats["peak_gathered_bytes"]
-    rows = {u.key: _quant.nbytes(u.shard_numel, wire) for u in plan.units if u.sharded}
+    rows = {u.key: _quant.nbytes(u.shard_numel, wire, segments=leaf_segments(u)) for u in plan.units if u.sharded}
     # every layer's encoded row is kept until its backward; the root (embed and head, not resharded) is
     # gathered once, and its row is released before the first layer's is made
     assert est.encoded_send_bytes == sum(v for key, v in rows.items() if key != "<root>")

@@ -10,10 +10,20 @@ buffer] in unit.py).
 With `MixedPrecision(all_gather_dtype=...)` (ZeRO++'s qwZ) a unit's shard buffer travels
 in a wire format ([Note: wire formats] in shardfn/_quant.py): the rank packs its shards
 in the masters' dtype into the (S,) shard buffer, encodes it into one uint8 row of
-`nbytes(S)` bytes (scales, payload, padding), and the all-gather moves k such rows,
-(k, nbytes(S)). Each received row is decoded on its own, straight into the unit's
-leaf-major unsharded buffer in the compute dtype (param_dtype, or the leaves' dtype), so
-no full-size float copy of the unit exists beside that buffer: the scratch is one row.
+`nbytes(S, segments)` bytes (scales, payload, padding), and the all-gather moves k such
+rows, (k, nbytes(S, segments)). Each received row is decoded on its own, each leaf's
+segment straight into that leaf's place in the unit's leaf-major unsharded buffer, in the
+compute dtype (param_dtype, or the leaves' dtype): no full-size float copy of the unit
+exists beside that buffer (fp8's conversion scratch is one row).
+- Scales per leaf: the segments are the leaves' chunks (`layout.chunk_numel`, in the
+  buffer's order), so the quantization blocks restart at each leaf's start and no block
+  spans two leaves. Every sharded leaf has its own scales, 1-D leaves (norms, biases)
+  too: a 0.02-scale projection never shares a scale with a norm weight of 1.0, whose
+  amax would make the projection's step 50 times coarser (measured on a transformers
+  Llama, int8: gradients 13.9% off the fp64 reference with scales across leaves, within
+  1.1% with scales per leaf; tests/test_quant_leaves.py). Bytes per rank: the sum over
+  sharded leaves of `chunk * payload itemsize + scale itemsize * ceil(chunk / block)`,
+  rounded up to 8 (`row_bytes`), a few scales more than one run of blocks over the row.
 - The masters (the shards) stay in full precision; the optimizer updates them.
 - The encoding is a function of the shards, which do not change within a step: the
   runtime encodes each unit once per step and keeps the row for the backward's re-gather
@@ -37,15 +47,22 @@ from .._errors import NonFiniteError
 from .._quant import NonFiniteWire, Wire, decode, encode, nbytes
 from .plan import UnitPlan, copy_out as _copy_out, leaf_views, pack_shards, region_views
 
-__all__ = ["send_buffer", "row_bytes", "start", "copy_out", "stacked_leaves", "gather_full", "should_check"]
+__all__ = ["send_buffer", "row_bytes", "segments", "start", "copy_out", "stacked_leaves", "gather_full",
+           "should_check"]
+
+
+def segments(plan: UnitPlan) -> tuple[int, ...]:
+    """The shard buffer's leaf chunks, in order: where the wire format's blocks restart
+    ([Note: quantized all-gather])."""
+    return tuple(layout.chunk_numel for layout in plan.sharded)
 
 
 def row_bytes(plan: UnitPlan, dtype: torch.dtype, wire: Wire | None) -> int:
     """Bytes one rank sends in the unit's all-gather: S elements of `dtype` or, with a
-    wire format, one encoded row of the masters' S elements."""
+    wire format, one encoded row of the masters' S elements, scaled leaf by leaf."""
     if wire is None:
         return plan.shard_numel * dtype.itemsize
-    return nbytes(plan.shard_numel, wire, plan.dtype)
+    return nbytes(plan.shard_numel, wire, plan.dtype, segments(plan))
 
 
 def should_check(device: torch.device, check_finite: bool) -> bool:
@@ -58,13 +75,14 @@ def send_buffer(plan: UnitPlan, shards, dtype: torch.dtype, device, *, wire: Wir
                 lead: tuple[int, ...] = (), check: bool = False) -> torch.Tensor:
     """This rank's send buffer: the (*lead, S) shard buffer in `dtype` (the shard itself
     when nothing needs packing), or with `wire` the shard buffer packed in the masters'
-    dtype and encoded, (*lead, nbytes(S)) uint8. `check`: refuse NaN / inf, naming the
-    unit and the leaf."""
+    dtype and encoded leaf by leaf, (*lead, row_bytes) uint8. `check`: refuse NaN / inf,
+    naming the unit and the leaf."""
     if wire is None:
         return pack_shards(plan, shards, dtype, device, lead)
     packed = pack_shards(plan, shards, plan.dtype, device, lead)
     try:  # the check reads the blocks' scales (or a cast's amax): no extra pass over the shard
-        return encode(packed, wire, check=check, what=f"shard: the all-gather of {plan.name()}")
+        return encode(packed, wire, segments=segments(plan), check=check,
+                      what=f"shard: the all-gather of {plan.name()}")
     except NonFiniteWire:
         _refuse_non_finite(plan, shards, wire)
 
@@ -87,30 +105,24 @@ def start(group, send: torch.Tensor, out: torch.Tensor | None = None) -> ops.Pen
 
 def copy_out(plan: UnitPlan, rows: torch.Tensor, full: torch.Tensor, wire: Wire | None = None) -> None:
     """(k, S) rank-major gathered buffer -> the leaf-major unsharded buffer `full`; with
-    `wire`, (k, nbytes(S)) uint8 rows decoded one at a time into it."""
+    `wire`, (k, row_bytes) uint8 rows decoded one at a time, each leaf's segment of row j
+    straight into that leaf's j-th chunk of `full` (no scratch row, no second copy)."""
     if wire is None:
         _copy_out(plan, rows, full)
         return
     rows = rows.reshape(plan.k, -1)
-    if len(plan.sharded) == 1:  # rank-major is leaf-major: each row decodes straight into its place
-        direct = full.view(plan.k, plan.shard_numel)
-        for j in range(plan.k):
-            decode(rows[j], wire, plan.shard_numel, plan.dtype, out=direct[j])
-        return
-    sizes = [layout.chunk_numel for layout in plan.sharded]
-    regions = region_views(plan, full)
-    row = torch.empty(plan.shard_numel, dtype=full.dtype, device=full.device)  # the only scratch: one row
+    regions, sizes = region_views(plan, full), segments(plan)  # per leaf (k, chunk) views of `full`
     for j in range(plan.k):
-        decode(rows[j], wire, plan.shard_numel, plan.dtype, out=row)
-        torch.split_with_sizes_copy(row.view(1, -1), sizes, dim=1, out=[r.narrow(0, j, 1) for r in regions])
+        decode(rows[j], wire, plan.shard_numel, plan.dtype, segments=sizes, out=[r[j] for r in regions])
 
 
 def stacked_leaves(plan: UnitPlan, rows: torch.Tensor, dtype: torch.dtype, wire: Wire | None = None
                    ) -> list[torch.Tensor]:
-    """(k, B, S) gathered stacked shard buffers (or (k, B, nbytes(S)) encoded rows) -> per
+    """(k, B, S) gathered stacked shard buffers (or (k, B, row_bytes) encoded rows) -> per
     sharded leaf, the B members' full leaves (B, *shape) ([Note: stacked shards])."""
     if wire is not None:
-        rows = decode(rows, wire, plan.shard_numel, plan.dtype).to(dtype)
+        decoded = torch.empty(rows.shape[:-1] + (plan.shard_numel,), dtype=dtype, device=rows.device)
+        rows = decode(rows, wire, plan.shard_numel, plan.dtype, segments=segments(plan), out=decoded)
     size = rows.shape[1]
     out = []
     for layout in plan.sharded:
