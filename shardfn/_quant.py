@@ -22,7 +22,8 @@ whole row), and the blocks restart at each segment's start: a segment of `c` ele
 `ceil(c / block)` blocks, its last one partial, and no block spans two segments. `shard`'s
 all-gather passes the unit's leaves' chunk sizes ([Note: quantized all-gather] in
 _fsdp/gather.py), so each leaf is scaled by its own values: every sharded leaf, 1-D ones
-(norms, biases) included, has its own scales, never a neighbour's. The scales lie in
+(norms, biases) included, has its own scales, never a neighbour's (the reduce-scatter's
+gradient rows are one segment each: [Note: qgZ] in _fsdp/qgz.py). The scales lie in
 segment order, then block order. `nbytes(n, segments)` is the row's size: for "int8" with
 float32 masters, `n + 4 * (sum over segments of ceil(c / block))` rounded up to 8 (one
 segment: `n + 4 * ceil(n / block)`). An empty segment has no block and no scale.

@@ -208,7 +208,8 @@ def _grad64(apply_fn, params, ids):
 def _relative_error(got, want) -> float:
     """max |got - want| over the whole tree / max |want|."""
     top = max(float(w.abs().max()) for w in optree.tree_leaves(want))
-    return max(float((g.double() - w).abs().max()) for g, w in zip(optree.tree_leaves(got), optree.tree_leaves(want))) / top
+    pairs = zip(optree.tree_leaves(got), optree.tree_leaves(want))
+    return max(float((g.double() - w).abs().max()) for g, w in pairs) / top
 
 
 # Measured (this config, seed 0, 2 ranks): int8 0.139 with one run of blocks over each row,
