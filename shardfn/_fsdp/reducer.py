@@ -89,6 +89,26 @@ class Reducer:
                 reduce_dtype=g.reduce_dtype, device=g.device, lead=lead, stats=self.stats, fix=fix))
         return out
 
+    def reduce_linear(self, unit, grads, fix: float, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:
+        """The reduction as the linear map it is, for tangents (forward mode over the
+        gradient): the same sums as `reduce` in EAGER mode, done exactly (no wire format:
+        straight-through), at once, without the held sums of `accumulate`
+        ([Note: second order through shard] in autograd.py)."""
+        g, plan = self.groups, unit.plan
+        n = len(plan.sharded)
+        out: list[torch.Tensor] = []
+        if plan.sharded:
+            packed = pack_grads(plan, list(grads[:n]), g.reduce_dtype or unit.dtype, g.device, lead)  # (k, *lead, S)
+            flat = reduce.reduce_scatter(packed, g.shard, self.stats).wait()  # (*lead, S)
+            reduce.finish_reduce(flat, replica_regions=plan.replica_regions, regions=plan.regions, mesh=self.mesh,
+                                 stats=self.stats, fix=fix)
+            out.extend(reduce.shard_grads(plan, flat, g.shard_index, lead))
+        if plan.replicated:
+            out.extend(reduce.all_reduce_replicated(
+                plan.replicated, list(grads[n:]), shard_axes=self.config.shard_axes, mesh=self.mesh,
+                reduce_dtype=g.reduce_dtype, device=g.device, lead=lead, stats=self.stats, fix=fix))
+        return out
+
     def _can_defer(self, plan: UnitPlan, mode: StepMode, reduce_dtype, lead) -> bool:
         """[Note: deferred reductions]"""
         return (

@@ -85,6 +85,7 @@ class RankStep:
     scope: object = None  # the `together` block being read ...
     scope_units: set[int] = dataclasses.field(default_factory=set)  # ... and its units
     scope_of: dict[int, object] = dataclasses.field(default_factory=dict)  # unit -> the `together` block it was entered in
+    second_backward: bool = False  # a unit's gradient was differentiated ([Note: second order through shard])
 
 
 class RankState:
@@ -222,6 +223,31 @@ class RankState:
         if self.config.reshard_after_forward:
             self._bring([i for i in reversed(order[:pos]) if not self.units[i].step.backward_done])
 
+    def pre_second_backward(self, u: int) -> None:
+        """A second backward reaches unit u's gradient reduce-scatter (reverse-over-reverse;
+        ReduceScatterUnit.backward): the first time in the step, gather every unit the step
+        used again. Each stays gathered until its gather's backward in this pass frees it
+        (`post_backward`): the pass reads units in no order the schedule knows
+        ([Note: second order through shard] in autograd.py)."""
+        self.check_second_order("reverse mode over the gradient (grad of grad)")
+        if self.step.second_backward:
+            return
+        self.step.second_backward = True
+        self.grad_fix = 1.0  # this pass's cotangents carry the loss mean's fix already (GatherCotangent)
+        for i in self.schedule.order:
+            self.units[i].pre_backward()
+
+    def check_second_order(self, what: str) -> None:
+        """Second order runs only over a step's plain backward (no accumulate hold, no
+        deferred reduce-scatters)."""
+        if self.mode not in (StepMode.EAGER, StepMode.ACCUMULATE):
+            raise ShardingError(
+                f"shard: {what} is not supported inside step.grad_and_value / sf.train_step or "
+                f"step.accumulate(mode='reduce_once') (step mode {self.mode.value}).\nFix: differentiate "
+                f"torch.func.grad(step) itself, e.g. torch.func.jvp(torch.func.grad(step), (shards, batch), "
+                f"(v, zeros)) for a Hessian-vector product."
+            )
+
     def _bring(self, upcoming: list[int]) -> None:
         need, ahead = self.schedule.backward_next(upcoming)
         scopes = {self.step.scope_of[i] for i in need if i in self.step.scope_of}
@@ -235,6 +261,8 @@ class RankState:
     def reduce_gradients(self, u: int, grads, lead: tuple[int, ...] = ()) -> list[torch.Tensor]:
         """Unit u's full-leaf grads -> this rank's shard grads and all-reduced whole-leaf
         grads, as the step mode says (reducer.py)."""
+        if self.step.second_backward:  # the HVP's reduction: exact ([Note: second order through shard])
+            return self.reducer.reduce_linear(self.units[u], grads, self.grad_fix, lead)
         return self.reducer.reduce(self.units[u], grads, self.mode, self.grad_fix, lead)
 
     def finish_deferred(self, complete: bool = True) -> None:

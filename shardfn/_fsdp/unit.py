@@ -277,11 +277,14 @@ class UnitRuntime:
         return tuple(out)
 
     def gather_tangents(self, tangents) -> tuple[torch.Tensor, ...]:
-        """GatherTangent (forward mode): the shards' tangents -> the full leaves' tangents."""
+        """GatherTangent (forward mode): the shards' tangents -> the full leaves' tangents;
+        GatherCotangent (the transpose of the gradient reduce-scatter) the same for cotangents.
+        Exact (no wire format), in the compute dtype, counted in `all_gather_bytes`."""
         g, plan = self.groups, self.plan
         n = len(plan.sharded)
         out = []
         if plan.sharded:
+            self.stats.collective("all_gather", plan.k * plan.shard_numel * self.dtype.itemsize)
             zero = [t if t is not None else torch.zeros(l.local_shape(g.shard_index, plan.k), dtype=self.dtype, device=g.device)
                     for l, t in zip(plan.sharded, tangents[:n])]
             out.extend(gather.gather_full(plan, g.shard, zero, self.dtype, g.device))  # exact: [Note: quantized all-gather]
