@@ -385,3 +385,22 @@ def test_an_ensemble_refuses_second_order_and_forward_mode():
             torch.func.grad(lambda s: _dot(torch.func.grad(ensemble)(s), stacked))(stacked)
 
     mesh.run(body)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp_times_tp_hvp_equals_one_device(mode):
+    """param_specs (Megatron MLP inside loss_fn, psum over 'model'): the tensor-parallel
+    regions' all-reduce is one more linear sum of the gradient, its transpose the identity."""
+    from test_fsdp_tp import batch_of, data_batch, init, loss_fn, specs_for, tp_loss
+
+    params, batch = init(0), batch_of(0)
+    v = _probe(params, seed=9)
+    want = _reference(loss_fn, params, batch, v)
+    mesh = mesh_for({"data": 2, "model": 2})
+    step = sf.shard(tp_loss, mesh, param_specs=specs_for(params), data_axes=("data",))
+
+    def body():
+        shards, vs = step.shard_params(params), step.shard_params(v)
+        return _max_diff(step.unshard_params(_hvp(step, shards, data_batch(mesh, batch), vs, mode)), want)
+
+    assert max(mesh.run(body)) <= TOL
