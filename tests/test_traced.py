@@ -555,10 +555,8 @@ PARAMS = mlp_params(torch.Generator().manual_seed(0), [4, 4, 4])
     "options, shape, words",
     [
         ({}, {"data": 2}, "needs the distributed backend"),
-        ({"frozen": lambda path: path[-1] == "b"}, {"data": 2}, "frozen="),
         ({"check_finite": True}, {"data": 2}, "check_finite=True"),
         ({"batch_weighting": "global_mean"}, {"data": 2}, "batch_weighting='global_mean'"),
-        ({"data_axes": ("replica", "shard"), "shard_axes": "shard"}, {"replica": 2, "shard": 2}, "HSDP"),
         ({"reshard_after_forward": "b"}, {"a": 2, "b": 2}, "hpZ"),
     ],
 )

@@ -44,22 +44,25 @@ def all_reduce_sum(x: torch.Tensor, name: str) -> torch.Tensor:
 class GatherFlat(torch.autograd.Function):
     """`(S,)` shard buffer in the shards' dtype -> `(k * S,)` rank-major gathered buffer in
     `param_dtype`. Backward: the gradient cast to `reduce_dtype`, reduce-scattered (sum),
-    cast back to the shards' dtype. [Note: traceable collectives]"""
+    with HSDP summed over the replica group `replica` (the eager runtime's order: shard
+    group, then replicas), cast back to the shards' dtype. [Note: traceable collectives]"""
 
     @staticmethod
-    def forward(buf, k: int, name: str, param_dtype, reduce_dtype):
+    def forward(buf, k: int, name: str, param_dtype, reduce_dtype, replica: str | None = None):
         return _all_gather(buf.to(param_dtype), k, name)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        buf, ctx.k, ctx.name, _, reduce_dtype = inputs
+        buf, ctx.k, ctx.name, _, reduce_dtype, ctx.replica = inputs
         ctx.dtype = buf.dtype
         ctx.reduce_dtype = reduce_dtype
 
     @staticmethod
     def backward(ctx, grad):
         reduced = _reduce_scatter(grad.to(ctx.reduce_dtype).contiguous(), ctx.k, ctx.name)
-        return reduced.to(ctx.dtype), None, None, None, None
+        if ctx.replica is not None:
+            reduced = all_reduce_sum(reduced, ctx.replica)
+        return reduced.to(ctx.dtype), None, None, None, None, None
 
 
 def _exchange_rank(name: str) -> int | None:

@@ -256,13 +256,16 @@ class _Static(NamedTuple):
     data_size: int
     weighting: str
     inplace: bool  # write the results into the input tensors
+    replica_name: str | None = None  # HSDP: the group of the data axes that do not shard
 
     @classmethod
     def of(cls, step, inplace: bool = False) -> "_Static":
         cfg, mesh = step.config, step.mesh
         data = mesh.group(cfg.data_axes)
+        replicas = tuple(a for a in cfg.data_axes if a not in cfg.shard_axes)
+        replica = mesh.group(replicas).pg.group_name if replicas else None
         return cls(cfg.has_aux, cfg.mixed_precision, mesh.group(cfg.shard_axes).pg.group_name,
-                   data.pg.group_name, data.size, cfg.batch_weighting, inplace)
+                   data.pg.group_name, data.size, cfg.batch_weighting, inplace, replica)
 
 
 def _unpack(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
@@ -302,7 +305,7 @@ def _gather_params(static: _Static, plan, leaves: list[torch.Tensor]) -> list[to
             reduce_dtype = (mp.reduce_dtype if mp is not None else None) or param_dtype
             shards = [leaves[layout.index] for layout in unit.sharded]
             buf = pack_shards(unit, shards, shards[0].dtype, shards[0].device)  # eager's copy-in (pad + cat)
-            gathered = GatherFlat.apply(buf, unit.k, name, param_dtype, reduce_dtype)
+            gathered = GatherFlat.apply(buf, unit.k, name, param_dtype, reduce_dtype, static.replica_name)
             for layout, value in zip(unit.sharded, _unpack(unit, gathered)):
                 full[layout.index] = value
         for layout in unit.replicated:  # whole leaves keep their dtype, as in eager
@@ -311,11 +314,12 @@ def _gather_params(static: _Static, plan, leaves: list[torch.Tensor]) -> list[to
 
 
 def _reduce_replicated(static: _Static, plan, leaves, grads: list) -> None:
-    """Whole leaves' gradients: one flat all-reduce (sum) per unit, in place in `grads`."""
-    mp, name = static.mp, static.shard_name
+    """Whole leaves' gradients: one flat all-reduce (sum) over the data axes per unit, in
+    place in `grads` (frozen units have none)."""
+    mp, name = static.mp, static.data_name
     for unit in plan.units:
         floats = [layout.index for layout in unit.replicated if layout.dtype.is_floating_point]
-        if not floats:
+        if not floats or unit.frozen:
             continue
         dtype = (mp.reduce_dtype if mp is not None else None) or functools.reduce(
             torch.promote_types, (grads[i].dtype for i in floats), torch.float32)
@@ -347,7 +351,8 @@ def _loss_mean(static: _Static, loss: torch.Tensor, n: int) -> torch.Tensor:
 def _train(static: _Static, loss_fn, opt, plan, skeleton, state_skeleton, leaves: list, state_leaves: list, batch,
            n: int):
     """The traced body: [Note: the traced step]."""
-    live = [x.detach().requires_grad_(x.is_floating_point()) for x in leaves]
+    frozen = {layout.index for unit in plan.units if unit.frozen for layout in unit.sharded + unit.replicated}
+    live = [x.detach().requires_grad_(x.is_floating_point() and i not in frozen) for i, x in enumerate(leaves)]
     full = _gather_params(static, plan, live)
     out = loss_fn(fill(skeleton, full), batch)
     loss, aux = out if static.has_aux else (out, None)
