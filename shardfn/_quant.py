@@ -154,6 +154,14 @@ def _parts(x: torch.Tensor, span: _Span, block: int) -> tuple[torch.Tensor, torc
     return x[..., span.start:span.mid].unflatten(-1, (span.whole, block)), x[..., span.mid:span.stop]
 
 
+def _products(q: torch.Tensor, scales: torch.Tensor, span: _Span, block: int) -> list[torch.Tensor]:
+    """One segment decoded as new tensors (decode's traced form): its whole blocks' and its
+    partial block's payload times their scales, in the scale dtype, flat in the last dim."""
+    blocks, tail = _parts(q, span, block)
+    last = span.first + span.whole
+    return [(blocks * scales[..., span.first:last, None]).flatten(-2), tail * scales[..., last:last + 1]]
+
+
 class NonFiniteWire(SpecError):
     """NaN / inf refused by `encode` (a SpecError; callers may name the leaves)."""
 
@@ -299,6 +307,9 @@ def decode(rows: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, *, segmen
         q = _fp8_to_float(q, scales.dtype, scaled=False)
         if wire.dtype == torch.float8_e4m3fn:  # its 2**8 folded into the (small) scales
             scales = scales * 256.0
+    if out is None and torch.compiler.is_compiling():  # sf.jit: the same products, no `out=` (dynamo refuses it)
+        return torch.cat([piece for span in spans for piece in _products(q, scales, span, wire.block)], dim=-1
+                         ).to(dtype)
     for span, target in zip(spans, targets):
         size = span.stop - span.start
         if tuple(target.shape) != lead + (size,):

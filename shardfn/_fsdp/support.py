@@ -103,12 +103,6 @@ OPTIONS = (
 _EAGER = "train eagerly with sf.train_step(step, opt), which supports it"
 
 REFUSED: dict[tuple[str, str], Refusal] = {
-    ("jit", "wire_int8"): Refusal("the traced step's all-gather and reduce-scatter do not encode the wire formats "
-                                  "yet (it would communicate in full precision)", _EAGER),
-    ("jit", "wire_fp8"): Refusal("the traced step's all-gather and reduce-scatter do not encode the wire formats "
-                                 "yet (it would communicate in full precision)", _EAGER),
-    ("jit", "wire_cast"): Refusal("the traced step's all-gather and reduce-scatter do not encode the wire formats "
-                                  "yet (it would communicate in full precision)", _EAGER),
     ("jit", "hpz"): Refusal("the backward re-gather over a sub-group is not written in the traced step", _EAGER),
     ("jit", "tp"): Refusal("the tensor-parallel reductions are not written in the traced step", _EAGER),
     ("jit", "check_finite"): Refusal("raising from inside a graph needs a host read of every unit's gradient",

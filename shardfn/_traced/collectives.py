@@ -20,12 +20,15 @@ to `reduce_dtype` first (mixed precision), as the eager runtime does.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.fx
 
 from .._backend.ops import exchanges
+from .._quant import Wire, decode, encode, scale_dtype
 
-__all__ = ["GatherFlat", "all_reduce_sum", "exchange_pairs", "PACK"]
+__all__ = ["GatherFlat", "Wires", "all_reduce_sum", "exchange_pairs", "PACK"]
 
 
 def _all_gather(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
@@ -41,28 +44,69 @@ def all_reduce_sum(x: torch.Tensor, name: str) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", name))
 
 
+class Wires(NamedTuple):
+    """A unit's wire formats in the traced step ([Note: wire formats] in shardfn/_quant.py):
+    the all-gather's (with its segments, the leaves' chunks) and the reduce-scatter's."""
+
+    gather: Wire | None = None
+    segments: tuple[int, ...] | None = None
+    reduce: Wire | None = None
+
+
+def _gather_encoded(buf: torch.Tensor, k: int, name: str, wires: Wires) -> torch.Tensor:
+    """The eager quantized all-gather ([Note: quantized all-gather] in _fsdp/gather.py) as
+    graph ops: encode the (S,) masters row, all-gather the k uint8 rows, decode each in
+    the masters' dtype: (k * S,)."""
+    n = buf.shape[0]
+    rows = encode(buf, wires.gather, segments=wires.segments, check=False)
+    got = _all_gather(rows, k, name).view(k, -1)
+    return decode(got, wires.gather, n, buf.dtype, segments=wires.segments).reshape(-1)
+
+
+def _reduce_scatter_encoded(grad: torch.Tensor, k: int, name: str, wire: Wire) -> torch.Tensor:
+    """The eager qgZ reduction ([Note: qgZ] in _fsdp/qgz.py) as graph ops: encode the k rows,
+    one all-to-all, decode the k received rows in the accumulation dtype and sum them."""
+    rows = grad.view(k, -1)
+    n = rows.shape[1]
+    encoded = encode(rows, wire, check=False)
+    splits = [encoded.shape[1]] * k
+    received = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_to_all_single(
+        encoded.reshape(-1), splits, splits, name)).view(k, -1)
+    acc = decode(received, wire, n, grad.dtype).to(scale_dtype(grad.dtype))
+    return acc.sum(0).to(grad.dtype)
+
+
 class GatherFlat(torch.autograd.Function):
     """`(S,)` shard buffer in the shards' dtype -> `(k * S,)` rank-major gathered buffer in
     `param_dtype`. Backward: the gradient cast to `reduce_dtype`, reduce-scattered (sum),
     with HSDP summed over the replica group `replica` (the eager runtime's order: shard
-    group, then replicas), cast back to the shards' dtype. [Note: traceable collectives]"""
+    group, then replicas), cast back to the shards' dtype. With `wires`, either travels
+    in its wire format as the eager runtime sends it; differentiation treats the format
+    as the identity (straight-through). [Note: traceable collectives]"""
 
     @staticmethod
-    def forward(buf, k: int, name: str, param_dtype, reduce_dtype, replica: str | None = None):
+    def forward(buf, k: int, name: str, param_dtype, reduce_dtype, replica: str | None = None,
+                wires: Wires = Wires()):
+        if wires.gather is not None:
+            return _gather_encoded(buf, k, name, wires).to(param_dtype)
         return _all_gather(buf.to(param_dtype), k, name)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        buf, ctx.k, ctx.name, _, reduce_dtype, ctx.replica = inputs
+        buf, ctx.k, ctx.name, _, reduce_dtype, ctx.replica, ctx.wires = inputs
         ctx.dtype = buf.dtype
         ctx.reduce_dtype = reduce_dtype
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = _reduce_scatter(grad.to(ctx.reduce_dtype).contiguous(), ctx.k, ctx.name)
+        grad = grad.to(ctx.reduce_dtype).contiguous()
+        if ctx.wires.reduce is not None and ctx.k > 1:
+            reduced = _reduce_scatter_encoded(grad, ctx.k, ctx.name, ctx.wires.reduce)
+        else:
+            reduced = _reduce_scatter(grad, ctx.k, ctx.name)
         if ctx.replica is not None:
             reduced = all_reduce_sum(reduced, ctx.replica)
-        return reduced.to(ctx.dtype), None, None, None, None, None
+        return reduced.to(ctx.dtype), None, None, None, None, None, None
 
 
 def _exchange_rank(name: str) -> int | None:

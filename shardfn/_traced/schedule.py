@@ -321,6 +321,8 @@ def _count(graph, record: TrafficRecord) -> None:
             record.reduce_scatter_bytes += _nbytes(node.args[0])
         elif node.target is _C.all_reduce.default:
             record.all_reduce_bytes += _nbytes(node.args[0])
+        elif node.target is _C.all_to_all_single.default:  # qgZ's reduction (before `exchange_pairs` adds any)
+            record.reduce_scatter_bytes += _nbytes(node.args[0])
         else:
             continue
         record.num_collectives += 1

@@ -51,7 +51,9 @@ from .._fsdp import api, support
 from .._fsdp.plan import pack_shards
 from ..optim.base import apply_updates
 from .checks import check_traceable
-from .collectives import GatherFlat, all_reduce_sum
+from .._fsdp.gather import segments
+from .._quant import Wire
+from .collectives import GatherFlat, Wires, all_reduce_sum
 from .schedule import SchedulePass, TrafficRecord, pin_pass, schedule_units
 from .trees import fill, leaves_of, list_state, skeleton
 
@@ -117,6 +119,16 @@ def jit(step, opt, *, backend: str = "inductor", options: dict | None = None,
         )
     if backend not in _BACKENDS:
         raise SpecError(f"sf.jit: backend must be one of {_BACKENDS}, got {backend!r}")
+    mp = getattr(step.config, "mixed_precision", None)
+    fp8 = [f for f in ("all_gather_dtype", "reduce_scatter_dtype") if mp is not None
+           and getattr(mp, f) in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    if backend == "inductor" and fp8:
+        raise SpecError(
+            f"sf.jit: MixedPrecision({fp8[0]}={getattr(mp, fp8[0])}) with backend='inductor': inductor (torch "
+            f"{torch.__version__}) cannot lower the float8 wire format's encode (\"Promotion for Float8 Types is not "
+            f"supported\").\nFix: sf.jit(step, opt, backend='aot_eager') (the same graph, op by op), the 'int8' wire "
+            f"format with inductor, or train eagerly with sf.train_step(step, opt)."
+        )
     return TracedStep(step, opt, backend, dict(options or {}), bool(inplace))
 
 
@@ -296,6 +308,14 @@ def _unpack(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def _wires(mp, unit) -> Wires:
+    """The unit's wire formats, as the eager runtime resolves them (`_fsdp/groups.py`)."""
+    if mp is None:
+        return Wires()
+    gather = Wire.of(mp.all_gather_dtype, mp.block_size)
+    return Wires(gather, segments(unit) if gather is not None else None, Wire.of(mp.reduce_scatter_dtype, mp.block_size))
+
+
 def _gather_params(static: _Static, plan, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     mp, name = static.mp, static.shard_name
     full: list = [None] * len(leaves)
@@ -305,7 +325,8 @@ def _gather_params(static: _Static, plan, leaves: list[torch.Tensor]) -> list[to
             reduce_dtype = (mp.reduce_dtype if mp is not None else None) or param_dtype
             shards = [leaves[layout.index] for layout in unit.sharded]
             buf = pack_shards(unit, shards, shards[0].dtype, shards[0].device)  # eager's copy-in (pad + cat)
-            gathered = GatherFlat.apply(buf, unit.k, name, param_dtype, reduce_dtype, static.replica_name)
+            gathered = GatherFlat.apply(buf, unit.k, name, param_dtype, reduce_dtype, static.replica_name,
+                                        _wires(mp, unit))
             for layout, value in zip(unit.sharded, _unpack(unit, gathered)):
                 full[layout.index] = value
         for layout in unit.replicated:  # whole leaves keep their dtype, as in eager
