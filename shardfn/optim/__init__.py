@@ -15,6 +15,11 @@ and update / state trees of different structures raise ``ValueError``, as
 the full params, updated with a shard's gradients) raise ``sf.SpecError`` naming the leaves. The transforms import only ``_tree``, ``_spec`` and ``_errors``
 (``train_step`` adds ``_autograd``); the mesh given for sharded clipping is used only
 through ``mesh.coords``, ``mesh.shape`` and ``mesh.all_reduce``.
+
+Pure mode is differentiable by ``torch.func`` (``grad``, ``jacrev``, ``jvp``, ``vmap``) with
+respect to gradients, params, state and hyperparameters given as 0-dim tensors
+([Note: differentiable pure mode] in ``_flat.py``); ``inject_hyperparams`` keeps the
+hyperparameters in the state.
 """
 
 from ._adam import ScaleByAdamState as ScaleByAdamState
@@ -25,6 +30,8 @@ from ._alias import lion as lion
 from ._alias import sgd as sgd
 from ._clipping import clip_by_global_norm as clip_by_global_norm
 from ._clipping import global_norm as global_norm
+from ._inject import InjectHyperparamsState as InjectHyperparamsState
+from ._inject import inject_hyperparams as inject_hyperparams
 from ._lion import ScaleByLionState as ScaleByLionState
 from ._lion import scale_by_lion as scale_by_lion
 from ._momentum import TraceState as TraceState
@@ -53,6 +60,7 @@ __all__ = [
     "AppliedUpdates",
     "EmptyState",
     "GradientTransformation",
+    "InjectHyperparamsState",
     "Schedule",
     "ScaleByAdamState",
     "ScaleByLionState",
@@ -68,6 +76,7 @@ __all__ = [
     "cosine_decay_schedule",
     "global_norm",
     "identity",
+    "inject_hyperparams",
     "join_schedules",
     "lion",
     "linear_schedule",

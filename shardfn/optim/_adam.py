@@ -25,13 +25,12 @@ costs nothing; small leaves stay on the foreach path.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
 
 from .. import _tree
-from . import _flat, _fusion, _in_graph
+from . import _flat, _fusion, _hyper, _in_graph
 from .base import GradientTransformation
 
 _BIG = 1 << 14  # elements; see [Note: big leaves]
@@ -49,13 +48,17 @@ class ScaleByAdamState(NamedTuple):
     nu: Any
 
 
-def _check_betas(b1: float, b2: float, eps: float, who: str) -> None:
-    if not 0.0 <= b1 < 1.0:
+def _check_betas(b1, b2, eps, who: str) -> tuple:
+    """The hyperparameters as floats (range-checked) or 0-dim tensors (dtype and ndim
+    checked: [Note: tensor hyperparameters] in _hyper.py)."""
+    b1, b2, eps = (_hyper.check(v, n, who) for v, n in ((b1, "b1"), (b2, "b2"), (eps, "eps")))
+    if not _hyper.is_tensor(b1) and not 0.0 <= b1 < 1.0:
         raise ValueError(f"{who}: b1 must be in [0, 1), got {b1}.")
-    if not 0.0 <= b2 < 1.0:
+    if not _hyper.is_tensor(b2) and not 0.0 <= b2 < 1.0:
         raise ValueError(f"{who}: b2 must be in [0, 1), got {b2}.")
-    if not eps >= 0.0:
+    if not _hyper.is_tensor(eps) and not eps >= 0.0:
         raise ValueError(f"{who}: eps must be >= 0, got {eps}.")
+    return b1, b2, eps
 
 
 def scale_by_adam(
@@ -70,6 +73,9 @@ def scale_by_adam(
         inplace: update ``mu``, ``nu`` and ``count`` in place and write the result into
             the incoming updates (which are consumed); allocates nothing.
 
+    Each hyperparameter is a number or, in pure mode, a 0-dim floating-point tensor
+    (differentiable; see ``docs/optim.md``).
+
     Returns:
         A ``GradientTransformation`` with ``ScaleByAdamState(count, mu, nu)``.
 
@@ -81,9 +87,11 @@ def scale_by_adam(
         >>> u["w"].round(decimals=4)
         tensor([ 1., -1.])
     """
-    b1, b2, eps = float(b1), float(b2), float(eps)
-    _check_betas(b1, b2, eps, "scale_by_adam")
+    b1, b2, eps = _check_betas(b1, b2, eps, "scale_by_adam")
+    if inplace:
+        _hyper.numbers_only("scale_by_adam", "inplace=True", b1=b1, b2=b2, eps=eps)
     who = "scale_by_adam.update"
+    hyper = (b1, b2, eps)
 
     def init(params):
         leaves, treedef = _tree.flatten(params)
@@ -101,13 +109,19 @@ def scale_by_adam(
         g, treedef = _tree.flatten(updates)
         mu = _flat.leaves_like(treedef, state.mu, "state.mu", who, shapes_of=g)
         nu = _flat.leaves_like(treedef, state.nu, "state.nu", who, shapes_of=g)
+        if inplace:
+            _flat.refuse_func(who, "optim.scale_by_adam(...) without inplace=True", g, mu, nu)
         count, t = _flat.bump_count(state.count, inplace)
         if not g:
             return updates, ScaleByAdamState(count, state.mu, state.nu)
         bc1 = 1.0 - b1**t
         bc2 = 1.0 - b2**t
         # See [Note: Adam's arithmetic].
-        denom_scale, denom_eps = math.sqrt(bc2) / bc1 * out_scale, eps * bc1 / out_scale
+        denom_scale, denom_eps = _hyper.sqrt(bc2) / bc1 * out_scale, eps * bc1 / out_scale
+        if not inplace and _flat.per_leaf(g, mu, nu, hyper=hyper):
+            out, mu, nu = _per_leaf(g, mu, nu, b1, b2, denom_scale, denom_eps)
+            new_state = ScaleByAdamState(count, _tree.unflatten(treedef, mu), _tree.unflatten(treedef, nu))
+            return _tree.unflatten(treedef, out), new_state
         # symbolic under torch.compile: [Note: step-dependent scalars in a graph]
         denom_scale, denom_eps = _in_graph.scalar(denom_scale, g[0]), _in_graph.scalar(denom_eps, g[0])
         if inplace:
@@ -131,6 +145,22 @@ def scale_by_adam(
 
     _fusion.mark(update, _fusion.Fusion("absorb", scaled=scaled))
     return GradientTransformation(init, update)
+
+
+def _per_leaf(g, mu, nu, b1, b2, denom_scale, denom_eps):
+    """The foreach path's arithmetic, out of place and leaf by leaf, with each scalar a float or
+    a 0-dim tensor: [Note: differentiable pure mode] in _flat.py. Returns (out, mu, nu)."""
+    like = _hyper.like
+    out, new_mu, new_nu = [], [], []
+    for x, m, v in zip(g, mu, nu):
+        m = torch.lerp(m, x, like(1.0 - b1, m))
+        v = _hyper.addcmul(torch.mul(v, like(b2, v)), x, x, like(1.0 - b2, v))
+        d = torch.add(torch.div(torch.sqrt(v), like(denom_scale, v)), like(denom_eps, v))
+        # _finish's two forms ([Note: big leaves]): the same bits as the foreach path
+        out.append(torch.div(m, d) if m.numel() >= _BIG else torch.mul(torch.reciprocal(d), m))
+        new_mu.append(m)
+        new_nu.append(v)
+    return out, new_mu, new_nu
 
 
 def _sqrt_into(out, nu):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from . import _flat, _hyper
 from ._adam import scale_by_adam
 from ._fused import check_fused, fused_adam, fused_sgd
 from ._lion import scale_by_lion
@@ -24,14 +25,46 @@ from ._weight_decay import Mask, add_decayed_weights
 from .base import GradientTransformation, chain, identity
 
 
-def _check_lr(lr: ScalarOrSchedule, who: str) -> None:
-    if not callable(lr) and not float(lr) >= 0.0:
+def _check_lr(lr: ScalarOrSchedule, who: str) -> ScalarOrSchedule:
+    """A schedule, a float >= 0, or a 0-dim floating-point tensor (whose value is not read:
+    [Note: tensor hyperparameters] in _hyper.py)."""
+    if callable(lr):
+        return lr
+    lr = _hyper.check(lr, "learning_rate", who)
+    if not _hyper.is_tensor(lr) and not lr >= 0.0:
         raise ValueError(f"{who}: learning rate must be >= 0 (or a schedule), got {lr}.")
+    return lr
 
 
-def _check_nonneg(value: float, name: str, who: str) -> None:
-    if not float(value) >= 0.0:
+def _check_nonneg(value, name: str, who: str):
+    value = _hyper.check(value, name, who)
+    if not _hyper.is_tensor(value) and not value >= 0.0:
         raise ValueError(f"{who}: {name} must be >= 0, got {value}.")
+    return value
+
+
+def _modes(who: str, inplace: Optional[bool], fused: Optional[bool], hyper: dict, **unsupported) -> tuple[bool, bool]:
+    """Resolve ``(inplace, fused)``; those modes take numbers only ([Note: tensor hyperparameters])."""
+    fused_flag = fused
+    fused = check_fused(fused, inplace, who, **unsupported)
+    inplace = bool(inplace) or fused
+    if inplace:
+        _hyper.numbers_only(who, "fused=True" if fused_flag else "inplace=True", **hyper)
+    return inplace, fused
+
+
+def _refusing_func(opt: GradientTransformation, who: str, fused: bool) -> GradientTransformation:
+    """``opt`` whose update refuses tensors of a torch.func transform, naming the alias."""
+    inner = opt.update
+    fix = f"optim.{who}(lr) without inplace=..." + (" and fused=..." if fused else "")
+
+    def update(updates, state, params=None):
+        _flat.refuse_func(f"{who}.update", fix, updates, state, params)
+        return inner(updates, state, params)
+
+    if hasattr(inner, "fused_kernel"):  # read by sf.jit
+        update.fused_kernel = inner.fused_kernel
+    return GradientTransformation(opt.init, update)
 
 
 def sgd(
@@ -49,7 +82,8 @@ def sgd(
     step); the step is ``buf``, or ``g + momentum * buf`` with Nesterov; ``p -= lr * step``.
 
     Args:
-        learning_rate: a float or a schedule ``step -> lr``.
+        learning_rate: a float, a schedule ``step -> lr``, or in pure mode a 0-dim
+            floating-point tensor (differentiable).
         momentum: momentum factor (0 disables the buffer).
         nesterov: Nesterov momentum (needs ``momentum > 0``).
         weight_decay: L2 penalty added to the gradient.
@@ -76,23 +110,24 @@ def sgd(
         tensor([0.9000, 0.9000])
     """
     who = "sgd"
-    _check_lr(learning_rate, who)
-    _check_nonneg(momentum, "momentum", who)
-    _check_nonneg(weight_decay, "weight_decay", who)
-    if nesterov and momentum <= 0:
+    learning_rate = _check_lr(learning_rate, who)
+    momentum = _check_nonneg(momentum, "momentum", who)
+    weight_decay = _check_nonneg(weight_decay, "weight_decay", who)
+    if nesterov and not _hyper.is_tensor(momentum) and momentum <= 0:
         raise ValueError(f"{who}: nesterov=True needs momentum > 0, got momentum={momentum}.")
-    fused = check_fused(fused, inplace, who)
-    inplace = bool(inplace) or fused
+    inplace, fused = _modes(who, inplace, fused, dict(learning_rate=learning_rate, momentum=momentum,
+                                                      weight_decay=weight_decay))
+    has_trace = _hyper.is_tensor(momentum) or momentum != 0.0  # a tensor's value is not read
     links = (
         add_decayed_weights(weight_decay, inplace=inplace),
-        trace(momentum, nesterov, inplace=inplace) if momentum else identity(),
+        trace(momentum, nesterov, inplace=inplace) if has_trace else identity(),
         scale_by_learning_rate(learning_rate, inplace=inplace),
     )
     if fused:
-        return fused_sgd(
-            links, 1 if momentum else None, float(momentum), nesterov, float(weight_decay), who=who
-        )
-    return chain(*links)
+        opt = fused_sgd(links, 1 if has_trace else None, momentum, nesterov, weight_decay, who=who)
+    else:
+        opt = chain(*links)
+    return _refusing_func(opt, who, fused) if inplace else opt
 
 
 def adam(
@@ -108,7 +143,8 @@ def adam(
     """Adam with ``torch.optim.Adam``'s semantics (L2 ``weight_decay`` added to the gradient).
 
     Args:
-        learning_rate: a float or a schedule ``step -> lr``.
+        learning_rate: a float, a schedule ``step -> lr``, or in pure mode a 0-dim
+            floating-point tensor (differentiable).
         b1: decay of the first moment (torch's ``betas[0]``).
         b2: decay of the second moment (torch's ``betas[1]``).
         eps: added after the square root of the bias-corrected second moment.
@@ -136,20 +172,20 @@ def adam(
         tensor([0.9000, 0.9000])
     """
     who = "adam"
-    _check_lr(learning_rate, who)
-    _check_nonneg(weight_decay, "weight_decay", who)
-    fused = check_fused(fused, inplace, who)
-    inplace = bool(inplace) or fused
+    learning_rate = _check_lr(learning_rate, who)
+    weight_decay = _check_nonneg(weight_decay, "weight_decay", who)
+    inplace, fused = _modes(who, inplace, fused, dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+                                                      weight_decay=weight_decay))
     links = (
         add_decayed_weights(weight_decay, inplace=inplace),
         scale_by_adam(b1, b2, eps, inplace=inplace),
         scale_by_learning_rate(learning_rate, inplace=inplace),
     )
     if fused:
-        return fused_adam(
-            links, 1, float(b1), float(b2), float(eps), float(weight_decay), decoupled=False, who=who
-        )
-    return chain(*links)
+        opt = fused_adam(links, 1, float(b1), float(b2), float(eps), weight_decay, decoupled=False, who=who)
+    else:
+        opt = chain(*links)
+    return _refusing_func(opt, who, fused) if inplace else opt
 
 
 def adamw(
@@ -170,7 +206,8 @@ def adamw(
     followed by its Adam step.
 
     Args:
-        learning_rate: a float or a schedule ``step -> lr`` (decay follows it, like torch).
+        learning_rate: a float, a schedule ``step -> lr``, or in pure mode a 0-dim
+            floating-point tensor (differentiable); decay follows it, like torch.
         b1: decay of the first moment.
         b2: decay of the second moment.
         eps: added after the square root of the bias-corrected second moment.
@@ -199,20 +236,20 @@ def adamw(
         tensor([0.8500, 0.8500])
     """
     who = "adamw"
-    _check_lr(learning_rate, who)
-    _check_nonneg(weight_decay, "weight_decay", who)
-    fused = check_fused(fused, inplace, who, mask=mask)
-    inplace = bool(inplace) or fused
+    learning_rate = _check_lr(learning_rate, who)
+    weight_decay = _check_nonneg(weight_decay, "weight_decay", who)
+    inplace, fused = _modes(who, inplace, fused, dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+                                                      weight_decay=weight_decay), mask=mask)
     links = (
         scale_by_adam(b1, b2, eps, inplace=inplace),
         add_decayed_weights(weight_decay, mask, inplace=inplace),
         scale_by_learning_rate(learning_rate, inplace=inplace),
     )
     if fused:
-        return fused_adam(
-            links, 0, float(b1), float(b2), float(eps), float(weight_decay), decoupled=True, who=who
-        )
-    return chain(*links)
+        opt = fused_adam(links, 0, float(b1), float(b2), float(eps), weight_decay, decoupled=True, who=who)
+    else:
+        opt = chain(*links)
+    return _refusing_func(opt, who, fused) if inplace else opt
 
 
 def lion(
@@ -227,7 +264,8 @@ def lion(
     """Lion: ``p -= lr * (sign(b1 * mu + (1 - b1) * g) + weight_decay * p)``; ``mu = lerp(mu, g, 1 - b2)``.
 
     Args:
-        learning_rate: a float or a schedule ``step -> lr``.
+        learning_rate: a float, a schedule ``step -> lr``, or in pure mode a 0-dim
+            floating-point tensor (differentiable).
         b1: interpolation for the sign.
         b2: decay of the momentum.
         weight_decay: decoupled weight decay.
@@ -246,10 +284,14 @@ def lion(
         tensor([-0.1000,  0.1000])
     """
     who = "lion"
-    _check_lr(learning_rate, who)
-    _check_nonneg(weight_decay, "weight_decay", who)
-    return chain(
+    learning_rate = _check_lr(learning_rate, who)
+    weight_decay = _check_nonneg(weight_decay, "weight_decay", who)
+    if inplace:
+        _hyper.numbers_only(who, "inplace=True", learning_rate=learning_rate, b1=b1, b2=b2,
+                            weight_decay=weight_decay)
+    opt = chain(
         scale_by_lion(b1, b2, inplace=inplace),
         add_decayed_weights(weight_decay, mask, inplace=inplace),
         scale_by_learning_rate(learning_rate, inplace=inplace),
     )
+    return _refusing_func(opt, who, False) if inplace else opt

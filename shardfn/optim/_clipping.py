@@ -22,7 +22,7 @@ import torch
 from .. import _tree
 from .._errors import SpecError
 from .._spec import as_spec, is_spec
-from . import _flat
+from . import _flat, _hyper
 from .base import EmptyState, GradientTransformation
 
 Axes = Union[None, str, Sequence[str]]
@@ -70,11 +70,18 @@ def _acc_dtype(leaves: list[torch.Tensor]) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in leaves) else torch.float32
 
 
+def _norms(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each leaf's 2-norm: ``torch._foreach_norm``, or leaf by leaf (the same kernel) where it
+    must be differentiable or batched ([Note: differentiable pure mode] in _flat.py)."""
+    if _flat.per_leaf(leaves):
+        return [torch.linalg.vector_norm(t, 2) for t in leaves]
+    return list(torch._foreach_norm(leaves, 2))
+
+
 def _local_sq_norm(leaves: list[torch.Tensor], dtype, device) -> torch.Tensor:
     if not leaves:
         return torch.zeros((), dtype=dtype, device=device)
-    norms = torch._foreach_norm(leaves, 2)
-    return torch.stack([n.to(dtype) for n in norms]).square().sum()
+    return torch.stack([n.to(dtype) for n in _norms(leaves)]).square().sum()
 
 
 def _global_norm(leaves, mesh, axes, counted) -> torch.Tensor:
@@ -83,8 +90,7 @@ def _global_norm(leaves, mesh, axes, counted) -> torch.Tensor:
         if not leaves:
             return torch.zeros((), dtype=dtype)
         # The same arithmetic as torch.nn.utils.clip_grad_norm_.
-        norms = torch._foreach_norm(leaves, 2)
-        return torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]), 2)
+        return torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in _norms(leaves)]), 2)
     device = leaves[0].device if leaves else torch.device("cpu")
     mine = leaves if counted.index is None else [leaves[i] for i in counted.index]
     sq = _local_sq_norm(mine, dtype, device)
@@ -151,7 +157,8 @@ def clip_by_global_norm(
     every rank of ``axes`` must call ``update`` together.
 
     Args:
-        max_norm: the largest norm let through.
+        max_norm: the largest norm let through (a number, or in pure mode a 0-dim
+            floating-point tensor: differentiable).
         mesh: the mesh the gradients are sharded over, or None for whole gradients.
         axes: the mesh axes to reduce over (default: all).
         specs: pytree prefix of the gradients with a PartitionSpec or None per leaf
@@ -168,8 +175,11 @@ def clip_by_global_norm(
         >>> u["w"]
         tensor([0.6000, 0.8000])
     """
-    max_norm = float(max_norm)
+    max_norm = _hyper.check(max_norm, "max_norm", "clip_by_global_norm")
+    if inplace:
+        _hyper.numbers_only("clip_by_global_norm", "inplace=True", max_norm=max_norm)
     plan = _NormPlan(mesh, axes, specs, "clip_by_global_norm")
+    who = "clip_by_global_norm.update"
 
     def init(params):
         del params
@@ -178,6 +188,8 @@ def clip_by_global_norm(
     def update(updates, state, params=None):
         del params
         leaves, treedef = _tree.flatten(updates)
+        if inplace:
+            _flat.refuse_func(who, "optim.clip_by_global_norm(...) without inplace=True", leaves)
         norm = plan.norm(updates, leaves, treedef)
         if not leaves:
             return updates, state
@@ -187,7 +199,13 @@ def clip_by_global_norm(
                 leaves = _flat.writable(leaves)
                 torch._foreach_mul_(leaves, coef)
         else:
-            leaves = torch._foreach_mul(leaves, coef)
+            # in the leaves' dtypes: a 0-dim float32 leaf times the float64 coefficient would be
+            # float64 (in place it is rounded back: these are its bits)
+            if _flat.per_leaf(leaves, hyper=(max_norm,)):  # [Note: differentiable pure mode] in _flat.py
+                scaled = [torch.mul(t, coef) for t in leaves]
+            else:
+                scaled = torch._foreach_mul(leaves, coef)
+            leaves = [s if s.dtype == t.dtype else s.to(t.dtype) for s, t in zip(scaled, leaves)]
         return _tree.unflatten(treedef, leaves), state
 
     return GradientTransformation(init, update)

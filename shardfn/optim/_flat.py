@@ -15,6 +15,32 @@ gradient that cannot be written (an expanded tensor whose elements share memory,
 ``torch.no_grad()`` so that leaf tensors that require grad may be updated. Pure mode
 (the default) never writes to its inputs and returns new tensors, which may alias
 inputs that a transform leaves unchanged (e.g. leaves masked out of weight decay).
+In-place and fused modes refuse tensors of a ``torch.func`` transform (``refuse_func``):
+their writes under ``no_grad`` would give wrong derivatives, or none.
+
+[Note: differentiable pure mode]
+Pure mode has two implementations of each transform's arithmetic, op for op the same:
+
+- the foreach path: ``torch._foreach_*`` ops on the flat lists, which may write into the
+  fresh buffers they just made (Adam divides its ``sqrt`` output in place). It is what a
+  training loop runs (under ``no_grad``, or on tensors that do not require grad).
+- the per-leaf path: out-of-place torch ops, leaf by leaf, taking each hyperparameter as a
+  float or a 0-dim tensor ([Note: tensor hyperparameters] in ``_hyper.py``).
+
+The foreach path cannot be differentiated or batched: foreach ops have no vmap batching
+rules, ``_foreach_norm`` has no forward derivative, ``_foreach_mul`` by a 0-dim tensor fails
+under ``grad``, and writing into ``sqrt``'s saved output gave ``torch.func.jacrev`` of
+``adamw``'s update a Jacobian off by 1370% (4-weight least squares, step 2), with no
+error. So an update takes the per-leaf path (``per_leaf``) when a hyperparameter is a
+tensor, when a ``torch.func`` transform is running, or when autograd records (grad mode
+on and a leaf requires grad). Under ``torch.compile`` the
+foreach path stays ([Note: step-dependent scalars in a graph] in ``_in_graph.py``). With
+numbers for hyperparameters the two paths give the same bits on CPU (foreach ops there are
+loops of the same kernels; tested), so a derivative is that of what training computes.
+
+Step-count scalars (bias corrections, a schedule's step) come from the count as before: an
+integer carries no derivative. Only when ``vmap`` batches the count (over a stack of
+optimizer states) does it stay a tensor, and they are computed by torch ops.
 """
 
 from __future__ import annotations
@@ -108,6 +134,56 @@ def _structure_error(expected, got, ref, name, who) -> str:
     )
 
 
+def per_leaf(*lists: list, hyper: tuple = ()) -> bool:
+    """Whether a pure update takes the per-leaf path; see [Note: differentiable pure mode].
+
+    Args:
+        *lists: the flat leaves the update reads (updates, state, params).
+        hyper: the transform's hyperparameters (a tensor among them decides alone).
+    """
+    if any(isinstance(h, torch.Tensor) for h in hyper):
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._functorch.maybe_current_level() is not None:
+        return True
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for leaves in lists for t in leaves
+    )
+
+
+def refuse_func(who: str, fix: str, *trees: Any) -> None:
+    """Raise if an in-place or fused update is given tensors of a ``torch.func`` transform.
+
+    One C call when no transform runs; otherwise every leaf of ``trees`` is looked at.
+
+    Raises:
+        RuntimeError: naming ``who``, the transform and ``fix``.
+    """
+    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is None:
+        return
+    for tree in trees:
+        for t in (tree if isinstance(tree, list) else _tree.flatten(tree)[0]):
+            if isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
+                transform = "vmap" if _batched(t) else "grad, vjp, jacrev, jacfwd or jvp"
+                raise RuntimeError(
+                    f"{who}: refused under torch.func ({transform}): this update runs in place "
+                    f"(inplace=True or fused=True), writing the state and gradient tensors under "
+                    f"torch.no_grad(), which torch.func can neither differentiate nor batch, so its "
+                    f"derivatives would be wrong or missing. Fix: use pure mode: {fix}."
+                )
+
+
+def _batched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is, or wraps, a vmap-batched tensor."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
+
+
 def require_params(params: Any, who: str) -> None:
     if params is None:
         raise ValueError(
@@ -148,16 +224,24 @@ def new_count() -> torch.Tensor:
 
 def read_count(count: Any) -> int:
     """The count as an int; under torch.compile the 0-dim tensor itself, so a schedule of
-    it is traced, not specialized ([Note: schedules in a graph] in _schedules.py)."""
-    if torch.compiler.is_compiling() and isinstance(count, torch.Tensor):
-        return count
+    it is traced, not specialized ([Note: schedules in a graph] in _schedules.py); a count
+    that vmap batches stays that tensor ([Note: differentiable pure mode])."""
+    if isinstance(count, torch.Tensor):
+        if torch.compiler.is_compiling():
+            return count
+        if _batched(count):
+            return count
     return int(count)
 
 
 def bump_count(count: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, int]:
-    """Return (count + 1, its value as an int); in place when ``inplace``."""
+    """Return (count + 1, its value as an int); in place when ``inplace``. A count that
+    vmap batches gives (count + 1, that as a float64 tensor)."""
     if inplace and isinstance(count, torch.Tensor):
         count.add_(1)
         return count, int(count)
+    if isinstance(count, torch.Tensor) and not torch.compiler.is_compiling() and _batched(count):
+        count = count + 1
+        return count, count.to(torch.float64)
     value = int(count) + 1
     return torch.tensor(value, dtype=torch.int64), value

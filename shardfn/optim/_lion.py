@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _tree
-from . import _flat
+from . import _flat, _hyper
 from .base import GradientTransformation
 
 
@@ -36,6 +36,9 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, inplace: bool = False) -
         b2: decay of the momentum.
         inplace: update ``mu`` in place and write the signs into the incoming updates.
 
+    ``b1`` and ``b2`` are numbers or, in pure mode, 0-dim floating-point tensors. The
+    update is a sign, whose derivative is 0 wherever it exists; ``mu`` is differentiable.
+
     Returns:
         A ``GradientTransformation`` with ``ScaleByLionState(count, mu)``.
 
@@ -46,11 +49,13 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, inplace: bool = False) -
         >>> opt.update({"w": torch.tensor([0.5, -2.0, 0.0])}, state)[0]["w"]
         tensor([ 1., -1.,  0.])
     """
-    b1, b2 = float(b1), float(b2)
-    if not 0.0 <= b1 < 1.0:
+    b1, b2 = _hyper.check(b1, "b1", "scale_by_lion"), _hyper.check(b2, "b2", "scale_by_lion")
+    if not _hyper.is_tensor(b1) and not 0.0 <= b1 < 1.0:
         raise ValueError(f"scale_by_lion: b1 must be in [0, 1), got {b1}.")
-    if not 0.0 <= b2 < 1.0:
+    if not _hyper.is_tensor(b2) and not 0.0 <= b2 < 1.0:
         raise ValueError(f"scale_by_lion: b2 must be in [0, 1), got {b2}.")
+    if inplace:
+        _hyper.numbers_only("scale_by_lion", "inplace=True", b1=b1, b2=b2)
     who = "scale_by_lion.update"
 
     def init(params):
@@ -62,6 +67,8 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, inplace: bool = False) -
         del params
         g, treedef = _tree.flatten(updates)
         mu = _flat.leaves_like(treedef, state.mu, "state.mu", who, shapes_of=g)
+        if inplace:
+            _flat.refuse_func(who, "optim.scale_by_lion(...) without inplace=True", g, mu)
         count, _ = _flat.bump_count(state.count, inplace)
         if not g:
             return updates, ScaleByLionState(count, state.mu)
@@ -73,6 +80,11 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, inplace: bool = False) -
                 torch._foreach_lerp_(mu, g, (1.0 - b2) / (1.0 - b1))
                 torch._foreach_sign_(g)
             return _tree.unflatten(treedef, g), ScaleByLionState(count, state.mu)
+        if _flat.per_leaf(g, mu, hyper=(b1, b2)):  # [Note: differentiable pure mode] in _flat.py
+            like = _hyper.like
+            out = [torch.sign(torch.lerp(m, x, like(1.0 - b1, m))) for m, x in zip(mu, g)]
+            mu = [torch.lerp(m, x, like(1.0 - b2, m)) for m, x in zip(mu, g)]
+            return _tree.unflatten(treedef, out), ScaleByLionState(count, _tree.unflatten(treedef, mu))
         out = torch._foreach_lerp(mu, g, 1.0 - b1)
         torch._foreach_sign_(out)
         mu = torch._foreach_lerp(mu, g, 1.0 - b2)

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _tree
-from . import _flat
+from . import _flat, _hyper
 from .base import GradientTransformation
 
 
@@ -27,7 +27,8 @@ def trace(decay: float, nesterov: bool = False, *, inplace: bool = False) -> Gra
     """Momentum: accumulate ``trace = decay * trace + updates`` (torch SGD's momentum buffer).
 
     Args:
-        decay: the momentum coefficient.
+        decay: the momentum coefficient (a number, or in pure mode a 0-dim floating-point
+            tensor: differentiable).
         nesterov: return ``updates + decay * trace`` instead of ``trace``.
         inplace: update the buffers in place and write the result into the incoming
             updates (which are consumed).
@@ -44,7 +45,9 @@ def trace(decay: float, nesterov: bool = False, *, inplace: bool = False) -> Gra
         >>> u["w"]
         tensor([1.9000, 1.9000])
     """
-    decay = float(decay)
+    decay = _hyper.check(decay, "decay", "trace")
+    if inplace:
+        _hyper.numbers_only("trace", "inplace=True", decay=decay)
     who = "trace.update"
 
     def init(params):
@@ -58,6 +61,7 @@ def trace(decay: float, nesterov: bool = False, *, inplace: bool = False) -> Gra
         if not g:
             return updates, state
         if inplace:
+            _flat.refuse_func(who, "optim.trace(...) without inplace=True", g, tr)
             with torch.no_grad():
                 g = _flat.writable(g)
                 torch._foreach_mul_(tr, decay)
@@ -69,6 +73,10 @@ def trace(decay: float, nesterov: bool = False, *, inplace: bool = False) -> Gra
                     # (e.g. the learning rate) write into it.
                     torch._foreach_copy_(g, tr)
             return _tree.unflatten(treedef, g), state
+        if _flat.per_leaf(g, tr, hyper=(decay,)):  # [Note: differentiable pure mode] in _flat.py
+            tr = [torch.add(torch.mul(b, _hyper.like(decay, b)), x) for b, x in zip(tr, g)]
+            out = [_hyper.add_scaled(x, b, decay) for x, b in zip(g, tr)] if nesterov else tr
+            return _tree.unflatten(treedef, out), TraceState(trace=_tree.unflatten(treedef, tr))
         tr = torch._foreach_mul(tr, decay)
         torch._foreach_add_(tr, g)
         out = torch._foreach_add(g, tr, alpha=decay) if nesterov else tr

@@ -7,10 +7,10 @@ from typing import Callable, NamedTuple, Union
 import torch
 
 from .. import _tree
-from . import _flat, _fusion, _in_graph
+from . import _flat, _fusion, _hyper, _in_graph
 from .base import EmptyState, GradientTransformation
 
-ScalarOrSchedule = Union[float, Callable[[int], float]]
+ScalarOrSchedule = Union[float, torch.Tensor, Callable[[int], float]]
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -19,9 +19,13 @@ class ScaleByScheduleState(NamedTuple):
     count: torch.Tensor
 
 
-def _scale_leaves(leaves, factor, inplace):
+def _scale_leaves(leaves, factor, inplace, who):
+    """``factor * leaves``; ``factor`` is a float, or a 0-dim tensor (a tensor hyperparameter,
+    or a schedule's value: [Note: tensor hyperparameters] in _hyper.py)."""
     if not leaves:
         return leaves
+    if inplace:
+        _flat.refuse_func(who, f"optim.{who.split('.')[0]}(...) without inplace=True", leaves)
     if isinstance(factor, torch.Tensor):  # a schedule's value in a graph: computed once
         factor = _in_graph.scalar(factor, leaves[0])
     if inplace:
@@ -29,6 +33,9 @@ def _scale_leaves(leaves, factor, inplace):
             leaves = _flat.writable(leaves)
             torch._foreach_mul_(leaves, factor)
         return leaves
+    if (isinstance(factor, torch.Tensor) and not torch.compiler.is_compiling()) or _flat.per_leaf(leaves):
+        # [Note: differentiable pure mode] in _flat.py
+        return [torch.mul(t, _hyper.like(factor, t)) for t in leaves]
     return torch._foreach_mul(leaves, factor)
 
 
@@ -36,7 +43,8 @@ def scale(step_size: float, *, inplace: bool = False) -> GradientTransformation:
     """Multiply the updates by a constant ``step_size``.
 
     Args:
-        step_size: the factor.
+        step_size: the factor: a number, or a 0-dim floating-point tensor (pure mode only;
+            differentiable, see ``docs/optim.md``).
         inplace: write into the incoming updates (see ``docs/optim.md``, in-place mode).
 
     Returns:
@@ -47,7 +55,9 @@ def scale(step_size: float, *, inplace: bool = False) -> GradientTransformation:
         >>> optim.scale(-2.0).update({"w": torch.ones(2)}, optim.EmptyState())[0]["w"]
         tensor([-2., -2.])
     """
-    step_size = float(step_size)
+    step_size = _hyper.check(step_size, "step_size", "scale")
+    if inplace:
+        _hyper.numbers_only("scale", "inplace=True", step_size=step_size)
 
     def init(params):
         del params
@@ -56,7 +66,7 @@ def scale(step_size: float, *, inplace: bool = False) -> GradientTransformation:
     def update(updates, state, params=None):
         del params
         leaves, treedef = _tree.flatten(updates)
-        return _tree.unflatten(treedef, _scale_leaves(leaves, step_size, inplace)), state
+        return _tree.unflatten(treedef, _scale_leaves(leaves, step_size, inplace, "scale.update")), state
 
     fusion = _fusion.Fusion("factor", factor=lambda state: step_size, advance=lambda state: state)
     return GradientTransformation(init, _fusion.mark(update, fusion))
@@ -68,7 +78,8 @@ def scale_by_schedule(
     """Multiply the updates by ``step_size_fn(count)``, ``count`` = updates done so far.
 
     Args:
-        step_size_fn: ``schedule(step: int) -> float``.
+        step_size_fn: ``schedule(step: int) -> float`` (or a 0-dim tensor, e.g. a learnable
+            scale times a schedule: differentiable in pure mode).
         inplace: write into the incoming updates and bump the count in place.
 
     Returns:
@@ -91,7 +102,7 @@ def scale_by_schedule(
     def update(updates, state, params=None):
         del params
         leaves, treedef = _tree.flatten(updates)
-        leaves = _scale_leaves(leaves, factor(state), inplace)
+        leaves = _scale_leaves(leaves, factor(state), inplace, "scale_by_schedule.update")
         return _tree.unflatten(treedef, leaves), advance(state)
 
     def factor(state):  # a 0-dim tensor under torch.compile: [Note: schedules in a graph]
@@ -111,8 +122,9 @@ def scale_by_learning_rate(
     """Multiply the updates by ``-learning_rate`` (a float or a schedule of the step count).
 
     Args:
-        learning_rate: a float, or ``schedule(step) -> float`` called with the number of
-            updates done so far (see ``shardfn.optim`` schedules).
+        learning_rate: a float, a 0-dim floating-point tensor (pure mode; differentiable), or
+            ``schedule(step) -> float`` called with the number of updates done so far (see
+            ``shardfn.optim`` schedules).
         flip_sign: negate, so that ``apply_updates`` descends (the usual case).
         inplace: write into the incoming updates.
 
@@ -125,6 +137,10 @@ def scale_by_learning_rate(
         tensor([-0.5000, -0.5000])
     """
     sign = -1.0 if flip_sign else 1.0
+    if not callable(learning_rate):
+        learning_rate = _hyper.check(learning_rate, "learning_rate", "scale_by_learning_rate")
+        if inplace:
+            _hyper.numbers_only("scale_by_learning_rate", "inplace=True", learning_rate=learning_rate)
     if callable(learning_rate):
         return scale_by_schedule(lambda k: sign * learning_rate(k), inplace=inplace)
     return scale(sign * learning_rate, inplace=inplace)

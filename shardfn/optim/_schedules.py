@@ -1,5 +1,10 @@
 """Learning-rate schedules: plain callables ``schedule(step: int) -> float``.
 
+A schedule's values (``init_value``, ``peak_value``, ``end_value``, ``alpha``, ...) may be
+0-dim floating-point tensors: the schedule then returns a 0-dim tensor computed from them
+by torch ops, never reading them, so a derivative reaches them through an optimizer's
+pure update ([Note: tensor hyperparameters] in ``_hyper.py``).
+
 [Note: schedules in a graph]
 Under ``torch.compile`` (``sf.jit``) a schedule is called with the step count as a 0-dim
 int64 tensor, as optax calls its schedules with a traced count: Python branches or
@@ -29,6 +34,8 @@ import math
 from typing import Callable, Sequence
 
 import torch
+
+from . import _hyper
 
 Schedule = Callable[[int], float]
 
@@ -63,7 +70,7 @@ def constant_schedule(value: float) -> Schedule:
         >>> constant_schedule(0.1)(1000)
         0.1
     """
-    value = float(value)
+    value = _hyper.check(value, "value", "constant_schedule")
 
     def schedule(step: int) -> float:
         del step
@@ -94,7 +101,8 @@ def linear_schedule(
     """
     if transition_steps <= 0:
         return constant_schedule(init_value)
-    init_value, end_value = float(init_value), float(end_value)
+    init_value = _hyper.check(init_value, "init_value", "linear_schedule")
+    end_value = _hyper.check(end_value, "end_value", "linear_schedule")
 
     def schedule(step: int) -> float:  # [Note: schedules in a graph]
         frac = _clamp(step - transition_begin, 0, transition_steps) / transition_steps
@@ -128,7 +136,8 @@ def cosine_decay_schedule(
     """
     if decay_steps <= 0:
         raise ValueError(f"cosine_decay_schedule: decay_steps must be positive, got {decay_steps}.")
-    init_value, alpha = float(init_value), float(alpha)
+    init_value = _hyper.check(init_value, "init_value", "cosine_decay_schedule")
+    alpha = _hyper.check(alpha, "alpha", "cosine_decay_schedule")
 
     def schedule(step: int) -> float:  # [Note: schedules in a graph]
         k = _clamp(step, 0, decay_steps)
@@ -236,7 +245,14 @@ def warmup_cosine_decay_schedule(
             "warmup_cosine_decay_schedule: decay_steps (which includes the warmup) must "
             f"exceed warmup_steps, got decay_steps={decay_steps}, warmup_steps={warmup_steps}."
         )
-    alpha = 0.0 if peak_value == 0 else end_value / peak_value
+    who = "warmup_cosine_decay_schedule"
+    init_value, peak_value, end_value = (_hyper.check(v, name, who) for v, name in (
+        (init_value, "init_value"), (peak_value, "peak_value"), (end_value, "end_value")))
+    if _hyper.is_tensor(peak_value):  # 0 where peak_value is 0, without reading it (nor dividing by 0)
+        zero = peak_value == 0
+        alpha = torch.where(zero, 0.0, end_value / torch.where(zero, 1.0, peak_value))
+    else:
+        alpha = 0.0 if peak_value == 0 else end_value / peak_value
     return join_schedules(
         [
             linear_schedule(init_value, peak_value, warmup_steps),

@@ -15,7 +15,7 @@ import torch
 
 from .. import _tree
 from .._errors import SpecError
-from . import _flat, _fusion
+from . import _flat, _fusion, _hyper
 from .base import EmptyState, GradientTransformation
 
 Mask = Union[Any, Callable[[Any], Any]]
@@ -50,7 +50,8 @@ def add_decayed_weights(
     """Add ``weight_decay * params`` to the updates of the leaves selected by ``mask``.
 
     Args:
-        weight_decay: the coefficient.
+        weight_decay: the coefficient (a number, or in pure mode a 0-dim floating-point
+            tensor: differentiable; a tensor is applied even when it is 0).
         mask: ``None`` (all leaves), a pytree of bools shaped like the params (or a
             prefix of it), or a callable ``mask(params) -> pytree of bools``; ``True``
             leaves are decayed.
@@ -70,7 +71,9 @@ def add_decayed_weights(
         >>> u["w"], u["b"]
         (tensor([0.1000, 0.1000]), tensor([0.]))
     """
-    weight_decay = float(weight_decay)
+    weight_decay = _hyper.check(weight_decay, "weight_decay", "add_decayed_weights")
+    if inplace:
+        _hyper.numbers_only("add_decayed_weights", "inplace=True", weight_decay=weight_decay)
     who = "add_decayed_weights.update"
     cache: dict = {}  # a fixed mask tree: indices per params structure
 
@@ -91,7 +94,7 @@ def add_decayed_weights(
 
     def scaled(updates, state, params, scale, owned):
         """``scale * (u + wd * p)`` given ``scale * u``; writes into it when owned."""
-        if weight_decay == 0.0:
+        if not _hyper.is_tensor(weight_decay) and weight_decay == 0.0:
             return updates, state
         _flat.require_params(params, who)
         u, treedef = _tree.flatten(updates)
@@ -101,7 +104,12 @@ def add_decayed_weights(
         ps = p if index is None else [p[i] for i in index]
         if not us:
             return updates, state
-        if inplace or owned:
+        if inplace:
+            _flat.refuse_func(who, "optim.add_decayed_weights(...) without inplace=True", us, ps)
+        if not inplace and _flat.per_leaf(us, ps, hyper=(weight_decay, scale)):
+            # [Note: differentiable pure mode] in _flat.py; out of place even when owned
+            us = [_hyper.add_scaled(x, q, scale * weight_decay) for x, q in zip(us, ps)]
+        elif inplace or owned:
             with torch.no_grad():
                 us = _flat.writable(us) if inplace else us
                 torch._foreach_add_(us, ps, alpha=scale * weight_decay)

@@ -159,6 +159,7 @@ def apply_updates(params: Any, updates: Any, *, inplace: bool = False) -> Any:
 
     Raises:
         ValueError: trees of different structures; ``AppliedUpdates`` of other params.
+        RuntimeError: ``inplace=True`` on tensors of a ``torch.func`` transform.
 
     Example:
         >>> import torch, shardfn.optim as optim
@@ -172,10 +173,14 @@ def apply_updates(params: Any, updates: Any, *, inplace: bool = False) -> Any:
     if not p:
         return params
     if inplace:
+        _flat.refuse_func("apply_updates", "apply_updates(params, updates) without inplace=True", p, u)
         with torch.no_grad():
             torch._foreach_add_(p, u)
         return params
-    new = torch._foreach_add(p, u)
+    if _flat.per_leaf(p, u):  # [Note: differentiable pure mode] in _flat.py
+        new = [torch.add(a, b) for a, b in zip(p, u)]
+    else:
+        new = torch._foreach_add(p, u)
     new = [n if n.dtype == q.dtype else n.to(q.dtype) for n, q in zip(new, p)]
     return _tree.unflatten(treedef, new)
 
