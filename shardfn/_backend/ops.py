@@ -8,14 +8,22 @@ mesh's timeout and abort flag, blocks come out in logical order (base.py's
 direct op raises "not supported"/"not implemented", the op is remembered as missing for
 that backend and recomputed with a fallback built on all-reduce (all-gather: each rank
 writes its block into zeros, then sums; reduce-scatter: sum, then slice; all-to-all:
-all-gather, then slice). Results are identical; only the traffic grows. Tests force the
-fallbacks through `FORCE_FALLBACK`.
+all-gather, then slice; the uneven all-to-all behind ppermute, the exchange and the ragged
+all-to-all: all-gather the sizes, then the chunks padded, then slice). Results are
+identical; only the traffic grows. Tests force the fallbacks through `FORCE_FALLBACK`.
+
+[Note: one way to issue] Every op below reaches its process group through `_issue`, which
+numbers the collective (`begin`: desync check, timeout messages), starts it or its
+fallback, and on meta operands answers at once ([Note: meta tensors]); every synchronous
+op is its `_async` op waited at once; and every op maps between a group's logical order
+and its process group's order through `_order`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from typing import Callable, NamedTuple, Sequence
 
@@ -26,12 +34,14 @@ from .base import Group
 
 __all__ = [
     "all_reduce",
+    "all_reduce_async",
     "all_gather",
     "reduce_scatter",
     "all_to_all",
     "ppermute",
     "ppermute_async",
     "ragged_all_to_all",
+    "ragged_all_to_all_async",
     "exchange_async",
     "Pending",
     "all_gather_async",
@@ -100,19 +110,6 @@ def meta_in_flight() -> int:
     return getattr(_meta_run, "in_flight", 0)
 
 
-def _meta_pending(group: Group, nbytes: int, finish: Callable[[], torch.Tensor]) -> "Pending":
-    _meta_run.in_flight = meta_in_flight() + nbytes
-    done = []
-
-    def wait():
-        if not done:
-            done.append(True)
-            _meta_run.in_flight = meta_in_flight() - nbytes
-        return finish()
-
-    return Pending(None, group, "", 0, wait)
-
-
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors start at the same memory: `data_ptr()` equality, except on meta
     tensors, whose `data_ptr()` is always 0. (Real tensors are not asked for their storage:
@@ -169,7 +166,7 @@ class recording:
 def _note(op: str, group: Group, x: torch.Tensor) -> None:
     """Tell the recordings of this thread that `x` (the logical buffer) goes over `group`."""
     for rec in getattr(_recorders, "stack", ()):
-        rec._note(Collective(op, group.axes, x.numel() * x.element_size(), x.dtype))
+        rec._note(Collective(op, group.axes, _nbytes(x), x.dtype))
 
 
 class Pending:
@@ -185,9 +182,17 @@ class Pending:
                 self._work = None
             return self._finish()
 
+    def then(self, fn: Callable) -> "Pending":
+        """This collective followed by `fn` on its result: `wait()` returns `fn(self.wait())`."""
+        return Pending(None, self._group, self._what, self._seq, lambda: fn(self.wait()))
+
 
 def _describe(op: str, x: torch.Tensor) -> str:
     return f"{op}(shape={tuple(x.shape)}, dtype={x.dtype})"
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
 
 
 def _unsupported(err: Exception) -> bool:
@@ -199,19 +204,67 @@ def _direct(group: Group, op: str) -> bool:
     return op not in FORCE_FALLBACK and (type(group.pg).__name__, op) not in _MISSING
 
 
-def _issue(group: Group, op: str, x: torch.Tensor, direct: Callable, fallback: Callable) -> Pending:
-    """Start `direct()` (returning (work, finish)) or, if unsupported, `fallback()`."""
-    what = _describe(op, x)
+def _issue(group: Group, op: str, what: str, direct: Callable, fallback: Callable | None, *, meta: bool = False,
+           result: Callable | None = None, held: tuple = (), in_flight: int = 0) -> Pending:
+    """Start one collective over `group` ([Note: one way to issue]): `direct()` hands it to the
+    process group and returns `(work, finish)`; `wait()` waits for the work, then returns
+    `finish()`. `what` describes it in desync and timeout messages (the same on every rank).
+    Where the backend lacks the direct op (remembered under `op`; `FORCE_FALLBACK` forces
+    it), `wait()` returns `fallback()` instead ([Note: fallbacks]); with no fallback the
+    error is raised. On meta operands (`meta`: [Note: meta tensors]) nothing is issued:
+    `wait()` returns `result()`, `held` stays alive with the Pending as a work object holds
+    its buffers, and `in_flight` bytes count in `meta_in_flight` until waited."""
+    if meta:
+        _meta_run.in_flight = meta_in_flight() + in_flight
+        done = []
+
+        def wait():
+            if not done:
+                done.append(True)
+                _meta_run.in_flight = meta_in_flight() - in_flight
+            return result()
+
+        pending = Pending(None, group, "", 0, wait)
+        pending.held = held
+        return pending
     seq = group.backend.begin(group, what)
-    if _direct(group, op):
+    if fallback is None or _direct(group, op):
         try:
             work, finish = direct()
             return Pending(work, group, what, seq, finish)
         except RuntimeError as err:
-            if not _unsupported(err):
+            if fallback is None or not _unsupported(err):
                 raise
             _MISSING.add((type(group.pg).__name__, op))
     return Pending(None, group, what, seq, fallback)
+
+
+class _Order(NamedTuple):
+    """A group's logical order and its process group's order, each way ([Note: group order]
+    in base.py); `_order(group)` is the one place that works them out."""
+
+    pg: tuple[int, ...]  # logical index -> pg rank
+    logical: tuple[int, ...]  # pg rank -> logical index
+    me: int  # this rank's pg rank
+    same: bool  # the two orders agree (`group.perm is None`)
+
+    def to_logical(self, stacked: torch.Tensor) -> torch.Tensor:
+        """(k, ...) blocks in pg order -> logical order (`stacked` itself when the orders agree)."""
+        return stacked if self.same else stacked[torch.tensor(self.pg, device=stacked.device)]
+
+    def to_pg(self, stacked: torch.Tensor) -> torch.Tensor:
+        """(k, ...) blocks in logical order -> pg order (`stacked` itself when the orders agree)."""
+        return stacked if self.same else stacked[torch.tensor(self.logical, device=stacked.device)]
+
+
+def _order(group: Group) -> _Order:
+    if group.perm is None:
+        ranks = tuple(range(group.size))
+        return _Order(ranks, ranks, group.index, True)
+    logical = [0] * group.size
+    for i, pg_rank in enumerate(group.perm):
+        logical[pg_rank] = i
+    return _Order(group.perm, tuple(logical), group.perm[group.index], False)
 
 
 def _all_reduce_work(group: Group, t: torch.Tensor, op: str):
@@ -220,40 +273,26 @@ def _all_reduce_work(group: Group, t: torch.Tensor, op: str):
     return group.pg.allreduce([t], opts)
 
 
+def _sum_now(group: Group, t: torch.Tensor, what: str) -> None:
+    """Sum `t` over the group in place, inside a fallback (already numbered by `_issue`)."""
+    group.backend.wait(_all_reduce_work(group, t, "sum"), group, what, 0)
+
+
+@_plain_op
+def all_reduce_async(group: Group, x: torch.Tensor, op: str = "sum") -> Pending:
+    """Start reducing `x` over the group; `wait()` returns a new tensor (x is not modified)."""
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    _note("all_reduce", group, out)
+    return _issue(group, "all_reduce", _describe(f"all_reduce[{op}]", out),
+                  lambda: (_all_reduce_work(group, out, op), lambda: out), None, meta=out.is_meta, result=lambda: out)
+
+
 @_plain_op
 def all_reduce(group: Group, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Reduce `x` over the group; returns a new tensor (x is not modified)."""
-    out = x.detach().clone(memory_format=torch.contiguous_format)
     if group.size == 1:
-        return out
-    _note("all_reduce", group, out)
-    if out.is_meta:  # [Note: meta tensors]
-        return out
-    what = _describe(f"all_reduce[{op}]", out)
-    seq = group.backend.begin(group, what)
-    group.backend.wait(_all_reduce_work(group, out, op), group, what, seq)
-    return out
-
-
-def _blocks_to_logical(group: Group, stacked: torch.Tensor) -> torch.Tensor:
-    """(k, ...) blocks in pg order -> logical order."""
-    if group.perm is None:
-        return stacked
-    return stacked[torch.tensor(group.perm, device=stacked.device)]
-
-
-def _blocks_to_pg(group: Group, stacked: torch.Tensor) -> torch.Tensor:
-    """(k, ...) blocks in logical order -> pg order."""
-    if group.perm is None:
-        return stacked
-    inverse = [0] * group.size
-    for logical, pg_rank in enumerate(group.perm):
-        inverse[pg_rank] = logical
-    return stacked[torch.tensor(inverse, device=stacked.device)]
-
-
-def _pg_index(group: Group) -> int:
-    return group.index if group.perm is None else group.perm[group.index]
+        return x.detach().clone(memory_format=torch.contiguous_format)
+    return all_reduce_async(group, x, op).wait()
 
 
 @_plain_op
@@ -264,27 +303,28 @@ def all_gather_async(group: Group, x: torch.Tensor, out: torch.Tensor | None = N
     result is `out` itself when that order is the logical one (`group.perm is None`), else a
     reordered copy."""
     x = x.detach().contiguous()
-    k = group.size
+    order = _order(group)
     if out is None:
-        out = torch.empty((k,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        out = torch.empty((group.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     _note("all_gather", group, out)
-    if x.is_meta:  # [Note: meta tensors] holding its buffers until waited, as a process group's work does
-        return _meta_pending(group, out.numel() * out.element_size(), lambda: _blocks_to_logical(group, (x, out)[1]))
+
+    def finish():
+        return order.to_logical(out)
 
     def direct():
         if exchanges(group.pg):
-            return _gather_by_exchange(group, x, out)
-        work = group.pg._allgather_base(out.view(-1), x.view(-1))
-        return work, lambda: _blocks_to_logical(group, out)
+            return _gather_by_exchange(group, x, out), finish
+        return group.pg._allgather_base(out.view(-1), x.view(-1)), finish
 
     def fallback():
         out.zero_()
-        out[_pg_index(group)] = x
-        work = _all_reduce_work(group, out, "sum")
-        group.backend.wait(work, group, "all_gather fallback", 0)
-        return _blocks_to_logical(group, out)
+        out[order.me] = x
+        _sum_now(group, out, "all_gather fallback")
+        return finish()
 
-    return _issue(group, "all_gather", x, direct, fallback)
+    # a meta run holds the buffers until waited, and gloo's flat copy of the output in flight
+    return _issue(group, "all_gather", _describe("all_gather", x), direct, fallback, meta=x.is_meta, result=finish,
+                  held=(x, out), in_flight=_nbytes(out))
 
 
 @_plain_op
@@ -301,29 +341,39 @@ def reduce_scatter_async(group: Group, x: torch.Tensor, out: torch.Tensor | None
     """Start summing `x` (shape (k, *block)) over the group; result is this rank's block,
     written into `out` when given (its values are valid only after `wait()`)."""
     x = x.detach().contiguous()
+    order = _order(group)
     if out is None:
         out = torch.empty(tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _note("reduce_scatter", group, x)
-    x_pg = _blocks_to_pg(group, x)
-    if x.is_meta:  # [Note: meta tensors] holding its buffers until waited, as a process group's work does
-        return _meta_pending(group, 0, lambda: (x_pg, out)[1])  # gloo reduces in its own buffers: not copied
+    x_pg = order.to_pg(x)
 
     def direct():
         if exchanges(group.pg):
             return _sum_by_exchange(group, x_pg, out)
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        work = group.pg._reduce_scatter_base(out.view(-1), x_pg.reshape(-1), opts)
-        return work, lambda: out
+        return group.pg._reduce_scatter_base(out.view(-1), x_pg.reshape(-1), opts), lambda: out
 
     def fallback():
         total = x_pg.clone()
-        work = _all_reduce_work(group, total, "sum")
-        group.backend.wait(work, group, "reduce_scatter fallback", 0)
-        out.copy_(total[_pg_index(group)])
+        _sum_now(group, total, "reduce_scatter fallback")
+        out.copy_(total[order.me])
         return out
 
-    return _issue(group, "reduce_scatter", x, direct, fallback)
+    # a meta run holds the buffers until waited; gloo reduces in its own buffers: not copied
+    return _issue(group, "reduce_scatter", _describe("reduce_scatter", x), direct, fallback, meta=x.is_meta,
+                  result=lambda: out, held=(x_pg, out))
+
+
+@_plain_op
+def reduce_scatter(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Sum over the group, keep this rank's block of `dim` (size must divide by group size)."""
+    if group.size == 1:
+        return x.detach().clone()
+    k = group.size
+    stacked = x.detach().movedim(dim, 0)
+    stacked = stacked.reshape((k, stacked.shape[0] // k) + tuple(stacked.shape[1:]))
+    return reduce_scatter_async(group, stacked).wait().movedim(0, dim)
 
 
 # [Note: gloo's two-rank collectives]
@@ -356,41 +406,36 @@ def exchanges(pg) -> bool:
     return pg.size() == 2 and pg.name() == "gloo"
 
 
+def _swap(group: Group, me: int, recv: torch.Tensor, send: torch.Tensor):
+    """[Note: gloo's two-rank collectives] Send the 1-D `send` to the other rank of a two-rank
+    group (pg rank `1 - me`) and receive its block into the 1-D `recv`: one `alltoall_base`
+    that sends this rank nothing. Returns the work."""
+    splits = [0 if j == me else send.numel() for j in range(2)]
+    return group.pg.alltoall_base(recv, send, splits, splits, dist.AllToAllOptions())
+
+
 def _gather_by_exchange(group: Group, x: torch.Tensor, out: torch.Tensor):
-    """[Note: gloo's two-rank collectives] `x` -> (work, finish) whose finish leaves both
-    ranks' blocks in `out` ((2, *x.shape), pg order)."""
-    me = _pg_index(group)
+    """[Note: gloo's two-rank collectives] Start leaving both ranks' blocks in `out`
+    ((2, *x.shape), pg order); returns the work."""
+    me = _order(group).me
     rows = out.view(2, -1)
-    splits = [0 if j == me else rows.shape[1] for j in range(2)]
-    work = group.pg.alltoall_base(rows[1 - me], x.view(-1), splits, splits, dist.AllToAllOptions())
+    work = _swap(group, me, rows[1 - me], x.view(-1))
     rows[me].copy_(x.view(-1))
-    return work, lambda: _blocks_to_logical(group, out)
+    return work
 
 
 def _sum_by_exchange(group: Group, x_pg: torch.Tensor, out: torch.Tensor):
     """[Note: gloo's two-rank collectives] `x_pg` (2, *block) in pg order -> (work, finish) whose
     finish leaves this rank's summed block in `out`."""
-    me = _pg_index(group)
+    me = _order(group).me
     flat = x_pg.reshape(2, -1)
-    splits = [0 if j == me else flat.shape[1] for j in range(2)]
-    work = group.pg.alltoall_base(out.view(-1), flat[1 - me], splits, splits, dist.AllToAllOptions())
+    work = _swap(group, me, out.view(-1), flat[1 - me])
 
     def finish():
         out.view(-1).add_(flat[me])
         return out
 
     return work, finish
-
-
-@_plain_op
-def reduce_scatter(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """Sum over the group, keep this rank's block of `dim` (size must divide by group size)."""
-    if group.size == 1:
-        return x.detach().clone()
-    k = group.size
-    stacked = x.detach().movedim(dim, 0)
-    stacked = stacked.reshape((k, stacked.shape[0] // k) + tuple(stacked.shape[1:]))
-    return reduce_scatter_async(group, stacked).wait().movedim(0, dim)
 
 
 @_plain_op
@@ -407,27 +452,70 @@ def all_to_all(group: Group, x: torch.Tensor, split_dim: int, concat_dim: int) -
     return received.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
 
 
+@_plain_op
 def all_to_all_async(group: Group, x: torch.Tensor, describe: torch.Tensor | None = None) -> Pending:
     """Start an all-to-all of equal blocks: `x` is (k, *block), block j for logical index j;
     `wait()` returns (k, *block), block i received from logical index i. The recording notes
     the blocks this rank hands over; errors describe `describe` (the caller's tensor) if
     given, else `x`."""
     x = x.detach().contiguous()
-    blocks = _blocks_to_pg(group, x).contiguous()
+    order = _order(group)
+    blocks = order.to_pg(x).contiguous()
     recv = torch.empty_like(blocks)
     _note("all_to_all", group, blocks)
-    if x.is_meta:  # [Note: meta tensors] holding its buffers until waited, as a process group's work does
-        return _meta_pending(group, 0, lambda: (blocks, recv)[1])
 
     def direct():
         work = group.pg.alltoall_base(recv, blocks, [], [], dist.AllToAllOptions())
-        return work, lambda: _blocks_to_logical(group, recv)
+        return work, lambda: order.to_logical(recv)
 
     def fallback():
         gathered = all_gather_async(group, blocks).wait()  # (k_src, k_dst, ...), logical src
-        return gathered[:, _pg_index(group)]  # blocks were laid out by destination pg rank
+        return gathered[:, order.me]  # blocks were laid out by destination pg rank
 
-    return _issue(group, "all_to_all", x if describe is None else describe, direct, fallback)
+    # a meta run holds the buffers until waited
+    return _issue(group, "all_to_all", _describe("all_to_all", x if describe is None else describe), direct,
+                  fallback, meta=x.is_meta, result=lambda: recv, held=(blocks, recv))
+
+
+def _all_to_all_v(group: Group, op: str, what: str, chunks: Sequence[torch.Tensor], counts: Sequence[int],
+                  dtype: torch.dtype, device: torch.device) -> Pending:
+    """Start an uneven all-to-all of 1-D chunks (the op behind `ppermute`, `exchange_async`
+    and `ragged_all_to_all`): `chunks[j]` (any length, 0 included) goes to logical index j;
+    `counts[j]`: how many elements come from logical index j. `wait()` returns the received
+    1-D pieces, `[j]` from logical index j. A lone non-empty chunk is handed over as is (the
+    caller must not write it before `wait()`); several are packed into one buffer.
+
+    One `alltoall_base` with split sizes, zero for the non-partners ([Note: one all-to-all
+    per round]). Fallback: every rank's sizes, then its chunks padded to the longest,
+    all-gathered; each rank keeps what was sent to it.
+    """
+    order, k = _order(group), group.size
+    parts = [chunks[order.logical[p]] for p in range(k)]  # pg order of the destinations
+    filled = [c for c in parts if c.numel()]
+    send = filled[0] if len(filled) == 1 else torch.cat(parts)
+    in_splits = [c.numel() for c in parts]
+    out_splits = [counts[order.logical[p]] for p in range(k)]
+    recv = torch.empty(sum(out_splits), dtype=dtype, device=device)
+
+    def finish():
+        pieces = recv.split(out_splits)  # pg order of the sources
+        return [pieces[order.pg[j]] for j in range(k)]
+
+    def direct():
+        return group.pg.alltoall_base(recv, send, out_splits, in_splits, dist.AllToAllOptions()), finish
+
+    def fallback():
+        sizes = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
+        all_sizes = all_gather_async(group, sizes).wait()  # (k_src, k_dst), logical order
+        padded = torch.zeros(int(all_sizes.sum(1).max()), dtype=dtype, device=device)
+        torch.cat(list(chunks), out=padded[: int(sizes.sum())])
+        gathered = all_gather_async(group, padded).wait()  # (k_src, longest)
+        starts = torch.cumsum(all_sizes, 1) - all_sizes
+        me = group.index
+        return [gathered[j, int(starts[j, me]):int(starts[j, me]) + counts[j]] for j in range(k)]
+
+    # a meta run holds the buffers until waited
+    return _issue(group, op, what, direct, fallback, meta=device.type == "meta", result=finish, held=(send, recv))
 
 
 @_plain_op
@@ -446,37 +534,14 @@ def ppermute_async(group: Group, x: torch.Tensor, perm: Sequence[tuple[int, int]
     the start and the wait overlaps the transfer (ring attention's next block). Every rank
     must start its ppermutes, and any other collective of the group, in the same order."""
     x = x.detach().contiguous()
-    k = group.size
     dst = dict(perm).get(group.index)
     src = {d: s for s, d in perm}.get(group.index)
     flat = x.reshape(-1)
-    n = flat.numel()
-    to_pg = (lambda i: i) if group.perm is None else (lambda i: group.perm[i])
-    in_splits = [0] * k
-    out_splits = [0] * k
-    if dst is not None:
-        in_splits[to_pg(dst)] = n
-    if src is not None:
-        out_splits[to_pg(src)] = n
-    send = flat if dst is not None else flat[:0]
-    recv = torch.zeros(n if src is not None else 0, dtype=x.dtype, device=x.device)
     _note("ppermute", group, flat)
-
-    def finish():
-        return recv.view(x.shape) if src is not None else torch.zeros_like(x)
-
-    if x.is_meta:  # [Note: meta tensors]
-        return Pending(None, group, "", 0, finish)
-
-    def direct():
-        work = group.pg.alltoall_base(recv, send, out_splits, in_splits, dist.AllToAllOptions())
-        return work, finish
-
-    def fallback():
-        gathered = all_gather_async(group, x).wait()  # (k, *shape), logical order
-        return gathered[src].clone() if src is not None else torch.zeros_like(x)
-
-    return _issue(group, "ppermute", x, direct, fallback)
+    chunks = [flat if j == dst else flat[:0] for j in range(group.size)]
+    counts = [flat.numel() if j == src else 0 for j in range(group.size)]
+    pending = _all_to_all_v(group, "ppermute", _describe("ppermute", x), chunks, counts, x.dtype, x.device)
+    return pending.then(lambda got: got[src].view(x.shape) if src is not None else torch.zeros_like(x))
 
 
 @_plain_op
@@ -488,37 +553,54 @@ def exchange_async(group: Group, sends: Sequence[tuple[int, torch.Tensor]], recv
     (source index, number of elements) pairs, at most one per source. Every rank of the
     group must call it (with nothing to send or receive, too) with the same `label`, which
     names it in desync and timeout messages. Each message is noted as one "send" by
-    `recording`. `wait()` returns the received flat tensors in `recvs` order.
+    `recording`. `wait()` returns the received flat tensors in `recvs` order. Messages go
+    in `dtype`, from their device, and must not be written before `wait()`; a rank with
+    nothing to send receives on the group's device (meta inside `meta_run`: [Note: meta
+    tensors]). An uneven all-to-all, as `ppermute` and `ragged_all_to_all` are.
 
     [Note: one all-to-all per round] Point-to-point send/recv handles of gloo cannot be
     polled, so a rank waiting for a peer that failed would hang until the process group's
     timeout; an all-to-all with zero-sized splits for the non-partners can be polled and
     keeps the desync/abort machinery of the collectives (see `ppermute`).
     """
-    k = group.size
-    to_pg = (lambda i: i) if group.perm is None else (lambda i: group.perm[i])
-    in_splits, out_splits = [0] * k, [0] * k
-    parts = sorted(sends, key=lambda m: to_pg(m[0]))
-    for dst, t in parts:
-        in_splits[to_pg(dst)] = t.numel()
+    order, k = _order(group), group.size
+    if sends:
+        device = sends[0][1].device
+    else:
+        device = torch.device("meta") if in_meta_run() else group.backend.device
+    chunks = [torch.empty(0, dtype=dtype, device=device)] * k
+    for dst, t in sorted(sends, key=lambda m: order.pg[m[0]]):
         _note("send", group, t)
+        chunks[dst] = t.detach().reshape(-1).to(dtype)
+    counts = [0] * k
     for src, n in recvs:
-        out_splits[to_pg(src)] = n
-    device = group.backend.device
-    send = torch.cat([t.detach().reshape(-1).to(dtype) for _, t in parts]) if parts else torch.empty(0, dtype=dtype, device=device)
-    recv = torch.empty(sum(out_splits), dtype=dtype, device=send.device)
-    offsets, at = {}, 0
-    for i in range(k):
-        offsets[i] = at
-        at += out_splits[i]
+        counts[src] = n
+    pending = _all_to_all_v(group, "exchange", f"exchange({label}, dtype={dtype})", chunks, counts, dtype, device)
+    return pending.then(lambda got: [got[src] for src, _ in recvs])
 
-    def finish():
-        return [recv[offsets[to_pg(src)]:offsets[to_pg(src)] + n] for src, n in recvs]
 
-    what = f"pipeline_exchange({label}, dtype={dtype})"
-    seq = group.backend.begin(group, what)
-    work = group.pg.alltoall_base(recv, send, out_splits, in_splits, dist.AllToAllOptions())
-    return Pending(work, group, what, seq, finish)
+@_plain_op
+def ragged_all_to_all_async(group: Group, x: torch.Tensor, send_sizes: Sequence[int],
+                            recv_sizes: Sequence[int]) -> Pending:
+    """Start `ragged_all_to_all`; `wait()` returns what it returns."""
+    x = x.detach().contiguous()
+    rest = tuple(x.shape[1:])
+    row = math.prod(rest)
+    out = torch.empty((sum(recv_sizes),) + rest, dtype=x.dtype, device=x.device)
+    # the logical buffer: what this rank hands over (like ppermute, the send side)
+    _note("ragged_all_to_all", group, x)
+    chunks = [c.reshape(-1) for c in x.split(list(send_sizes))]
+    # rank-independent description: the desync check compares it across ranks
+    what = f"ragged_all_to_all(row_shape={rest}, dtype={x.dtype})"
+    pending = _all_to_all_v(group, "ragged_all_to_all", what, chunks, [n * row for n in recv_sizes], x.dtype,
+                            x.device)
+
+    def assemble(pieces):
+        if out.numel():
+            torch.cat(pieces, out=out.view(-1))
+        return out
+
+    return pending.then(assemble)
 
 
 @_plain_op
@@ -530,65 +612,9 @@ def ragged_all_to_all(group: Group, x: torch.Tensor, send_sizes: Sequence[int],
     and so on. Returns `(sum(recv_sizes), *x.shape[1:])`: `recv_sizes[j]` rows from logical
     index j, in index order. Sizes are rows (dim-0 entries) and per-rank knowledge: rank i's
     `send_sizes[j]` must equal rank j's `recv_sizes[i]` (the caller checks; a mismatch is a
-    backend error or a hang). One `alltoall_base` with split sizes, on the flattened tensor
-    (element counts, so zero-row and zero-width chunks need no special case).
+    backend error or a hang). One uneven all-to-all of the flattened rows (element counts,
+    so zero-row and zero-width chunks need no special case).
     """
-    x = x.detach().contiguous()
-    k = group.size
-    rest = tuple(x.shape[1:])
-    row = 1
-    for d in rest:
-        row *= d
-    if k == 1:
-        return x.clone()
-    out = torch.empty((sum(recv_sizes),) + rest, dtype=x.dtype, device=x.device)
-    # the logical buffer: what this rank hands over (like ppermute, the send side)
-    _note("ragged_all_to_all", group, x)
-    pg_of = (lambda i: i) if group.perm is None else (lambda i: group.perm[i])
-    logical_of = [0] * k
-    for logical in range(k):
-        logical_of[pg_of(logical)] = logical
-    send_chunks = list(x.split(list(send_sizes)))
-    send = torch.cat([send_chunks[logical_of[p]].reshape(-1) for p in range(k)])
-    in_splits = [send_sizes[logical_of[p]] * row for p in range(k)]
-    out_splits = [recv_sizes[logical_of[p]] * row for p in range(k)]
-    recv = torch.empty(sum(out_splits), dtype=x.dtype, device=x.device)
-    # rank-independent description: the desync check compares it across ranks
-    what = f"ragged_all_to_all(row_shape={rest}, dtype={x.dtype})"
-
-    def finish():
-        pieces = recv.split(out_splits)  # pg order of the sources
-        if sum(out_splits):
-            torch.cat([pieces[pg_of(j)] for j in range(k)], out=out.view(-1))
-        return out
-
-    def direct():
-        work = group.pg.alltoall_base(recv, send, out_splits, in_splits, dist.AllToAllOptions())
-        return work, finish
-
-    def fallback():
-        # every rank's sizes and padded buffer, gathered; then pick the chunks sent to me
-        sizes = torch.tensor(list(send_sizes), dtype=torch.int64, device=x.device)
-        all_sizes = all_gather_async(group, sizes).wait()  # (k_src, k_dst) rows, logical order
-        longest = int(all_sizes.sum(1).max())
-        padded = torch.zeros((longest * row,), dtype=x.dtype, device=x.device)
-        padded[: x.numel()] = x.reshape(-1)
-        gathered = all_gather_async(group, padded).wait()  # (k_src, longest * row)
-        me = group.index
-        starts = torch.cumsum(all_sizes, 1) - all_sizes
-        pieces = [gathered[j, int(starts[j, me]) * row:(int(starts[j, me]) + recv_sizes[j]) * row]
-                  for j in range(k)]
-        if pieces and sum(recv_sizes):
-            torch.cat(pieces, out=out.view(-1))
-        return out
-
-    seq = group.backend.begin(group, what)
-    if _direct(group, "ragged_all_to_all"):
-        try:
-            work, fin = direct()
-            return Pending(work, group, what, seq, fin).wait()
-        except RuntimeError as err:
-            if not _unsupported(err):
-                raise
-            _MISSING.add((type(group.pg).__name__, "ragged_all_to_all"))
-    return Pending(None, group, what, seq, fallback).wait()
+    if group.size == 1:
+        return x.detach().contiguous().clone()
+    return ragged_all_to_all_async(group, x, send_sizes, recv_sizes).wait()

@@ -1,7 +1,7 @@
 """Quantized gradient reduction (ZeRO++'s qgZ): `MixedPrecision(reduce_scatter_dtype=...)`.
 
-Plain functions, as reduce.py's: the runtime calls `reduce_scatter` in place of the
-full-precision one when `Groups.reduce_wire` is set.
+Plain functions, as reduce.py's: reduce.py's `reduce_scatter`, the one entry of the eager
+gradient reduction, calls `reduce_scatter` here when `Groups.reduce_wire` is set.
 
 [Note: qgZ]
 A quantized *ring* reduce-scatter would re-quantize the running partial sum at each of its
@@ -53,6 +53,8 @@ plain path does.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .._backend import ops
@@ -67,42 +69,35 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return scale_dtype(dtype)
 
 
-class _Decoded:
-    """A qgZ reduction in flight: `wait()` waits for the all-to-all, decodes and sums the
-    received rows into the (*lead, S) result (as `ops.Pending.wait` returns a result)."""
-
-    def __init__(self, pending: ops.Pending, wire: Wire, n: int, dtype: torch.dtype, out: torch.Tensor):
-        self.pending, self.wire, self.n, self.dtype, self.out = pending, wire, n, dtype, out
-
-    def wait(self) -> torch.Tensor:
-        with ops.plain_mode():
-            received = self.pending.wait()  # (k, *lead, R): row i from rank i
-            self.pending = None
-            acc = torch.empty(received.shape[:-1] + (self.n,), dtype=accumulation_dtype(self.dtype),
-                              device=received.device)
-            if received.dim() == 2:  # row by row: each decodes straight into its row of acc
-                for j in range(received.shape[0]):
-                    decode(received[j], self.wire, self.n, self.dtype, out=acc[j])
-            else:
-                decode(received, self.wire, self.n, self.dtype, out=acc)
-            if self.out.dtype == acc.dtype and self.out.is_contiguous():
-                torch.sum(acc, dim=0, out=self.out)
-            else:
-                self.out.copy_(acc.sum(0))
-            return self.out
+def _sum_decoded(received: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+    """The all-to-all's `(k, *lead, R)` encoded rows (row i from rank i) -> their decoded sum
+    in `out` ((*lead, S))."""
+    acc = torch.empty(received.shape[:-1] + (n,), dtype=accumulation_dtype(dtype), device=received.device)
+    if received.dim() == 2:  # row by row: each decodes straight into its row of acc
+        for j in range(received.shape[0]):
+            decode(received[j], wire, n, dtype, out=acc[j])
+    else:
+        decode(received, wire, n, dtype, out=acc)
+    if out.dtype == acc.dtype and out.is_contiguous():
+        torch.sum(acc, dim=0, out=out)
+    else:
+        out.copy_(acc.sum(0))
+    return out
 
 
-def reduce_scatter(packed: torch.Tensor, group, wire: Wire, stats, out: torch.Tensor | None = None):
+def reduce_scatter(packed: torch.Tensor, group, wire: Wire, stats, out: torch.Tensor | None = None) -> ops.Pending:
     """Start the qgZ reduction of a packed `(k, *lead, S)` gradient buffer over the shard
-    group ([Note: qgZ]); `wait()` gives this rank's `(*lead, S)` sum in `packed`'s dtype
-    (written into `out` if given). `stats` counts the encoded bytes as the reduce-scatter's."""
+    group ([Note: qgZ]); `wait()` waits for the all-to-all, then decodes and sums the
+    received rows: this rank's `(*lead, S)` sum in `packed`'s dtype (written into `out` if
+    given). `stats` counts the encoded bytes as the reduce-scatter's. Called through
+    reduce.py's `reduce_scatter`, the one entry of the eager gradient reduction."""
     with ops.plain_mode():
-        n = packed.shape[-1]
         rows = encode(packed, wire, check=False)  # (k, *lead, R)
         stats.collective("reduce_scatter", rows.numel() * rows.element_size())
         if out is None:
             out = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
-        return _Decoded(ops.all_to_all_async(group, rows), wire, n, packed.dtype, out)
+        return ops.all_to_all_async(group, rows).then(
+            functools.partial(_sum_decoded, wire=wire, n=packed.shape[-1], dtype=packed.dtype, out=out))
 
 
 def encoded_bytes(shape: tuple[int, ...], wire: Wire, dtype: torch.dtype) -> int:

@@ -60,7 +60,13 @@ def reduce_scatter(packed: torch.Tensor, group, stats: Stats, out: torch.Tensor 
                    wire: Wire | None = None) -> ops.Pending:
     """Start the reduce-scatter (sum) of a packed `(k, *lead, S)` gradient buffer over the
     shard group; the result is this rank's `(*lead, S)` (written into `out` if given).
-    With a `wire` format, ZeRO++'s qgZ over more than one rank ([Note: qgZ] in qgz.py)."""
+
+    The one entry of the eager gradient reduction, which picks its implementation: with a
+    `wire` format over more than one rank, ZeRO++'s qgZ (`qgz.reduce_scatter`: encoded rows,
+    one all-to-all, decoded sum; [Note: qgZ] in qgz.py); else the plain sum,
+    `ops.reduce_scatter_async` (over a gloo group of two an exchange and an add: [Note:
+    gloo's two-rank collectives] in ops.py). Either way an `ops.Pending`; `stats` counts
+    the buffer handed over. The traced step's `GatherFlat.backward` mirrors it."""
     if wire is not None and group.size > 1:
         return qgz.reduce_scatter(packed, group, wire, stats, out=out)
     stats.collective("reduce_scatter", _nbytes(packed))

@@ -82,7 +82,8 @@ class GatherFlat(torch.autograd.Function):
     with HSDP summed over the replica group `replica` (the eager runtime's order: shard
     group, then replicas), cast back to the shards' dtype. With `wires`, either travels
     in its wire format as the eager runtime sends it; differentiation treats the format
-    as the identity (straight-through). [Note: traceable collectives]"""
+    as the identity (straight-through). [Note: traceable collectives]
+    The backward mirrors eager's one reduce-scatter entry, `shardfn._fsdp.reduce.reduce_scatter`."""
 
     @staticmethod
     def forward(buf, k: int, name: str, param_dtype, reduce_dtype, replica: str | None = None,
