@@ -237,8 +237,15 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
 
     root_names = [name for _, name in root]
 
-    @not_traced(_APPLY_EAGER, warn=True)  # [Note: no whole-step graph] in _compile.py
     def apply_fn(params, *args, **kwargs):
+        if torch.compiler.is_compiling() and not _holds_view(params):  # [Note: one apply function]
+            if no_cache:
+                kwargs = without_cache(kwargs, module)
+            return torch.func.functional_call(module, _named(params, "", {}), args, kwargs, strict=False)
+        return eager_apply(params, *args, **kwargs)
+
+    @not_traced(_APPLY_EAGER, warn=True)  # [Note: no whole-step graph] in _compile.py
+    def eager_apply(params, *args, **kwargs):
         if no_cache:
             kwargs = without_cache(kwargs, module)
         with together(held=True):  # bound for the whole forward (embeddings, a tied head)
@@ -255,6 +262,43 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
             local.params = previous
 
     return apply_fn, params
+
+
+# [Note: one apply function]
+# `sf.functional`'s apply function has two interpreters of one meaning, `module(*args)`
+# with the parameters of `params`:
+# - eager (a shard step, sf.remat, sf.estimate): each block's parameters are bound around
+#   the block's own forward, through a per-thread module copy, so that `shard` gathers one
+#   unit at a time; dynamo cannot trace that (Python state, gathers), so it is `not_traced`;
+# - traced (`sf.jit`, which hands it the full parameters as a plain tree and schedules the
+#   gathers as a graph pass): one `torch.func.functional_call` on the module.
+# Which one runs is decided by where it runs: dynamo tracing a plain tree takes the second.
+# A params view under torch.compile (an eager step compiled around) still takes the first,
+# as a graph break. `sf.traced_apply(model)` is this same function.
+
+
+def _holds_view(tree) -> bool:
+    """Whether `tree` is (or holds, at its top) a shard step's params view."""
+    if isinstance(tree, ParamsView):
+        return True
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    return any(isinstance(v, ParamsView) for v in values)
+
+
+def _named(tree, prefix: str, out: dict) -> dict:
+    """Dotted module names -> leaves, by plain recursion over dicts and lists (dynamo
+    traces it; optree's polyfills fail on some dicts: [Note: trees in the graph] in
+    shardfn/_traced/step.py)."""
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        out[prefix] = tree
+        return out
+    for key, value in items:
+        _named(value, f"{prefix}.{key}" if prefix else str(key), out)
+    return out
 
 
 def _not_a_module(value) -> str:

@@ -22,7 +22,7 @@ from . import _tree
 from . import _vma
 from ._binding import current_binding
 from ._errors import SpecError
-from ._params_view import materialize
+from ._params_view import materialize, together
 from ._remat_state import Recompute, Trace, Tracker, check_outputs, fingerprint, nested
 
 __all__ = ["remat", "tag", "Policy", "policies"]
@@ -481,7 +481,8 @@ def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_t
     def wrapped(*args, **kwargs):
         if policy.everything:
             return fn(*args, **kwargs)
-        leaves, treedef = _tree.flatten((materialize(args), materialize(kwargs)))
+        with together():  # a block's leaves may span units (frozen=, units=): read at once, none frees another
+            leaves, treedef = _tree.flatten((materialize(args), materialize(kwargs)))
         slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         call = _Call(fn, policy, offload, treedef, leaves, slots)
         with nested():  # opaque to a remat around it ([Note: a recompute must be its forward])

@@ -65,6 +65,42 @@ SETUPS: dict[str, Setup] = {
 }
 
 
+_DATA_MESHES = ("hsdp", "hpz")  # options that bring their own data axes
+
+
+def combine(options: tuple[str, ...]) -> Setup | None:
+    """One Setup with every option on, or None where one step cannot have them together
+    (two data-axis layouts, two values of one argument: e.g. hpZ and no reshard, int8 and
+    float8 all-gathers)."""
+    setups = [SETUPS[o] for o in options]
+    if len(setups) == 1:
+        return setups[0]
+    data = [o for o in options if o in _DATA_MESHES]
+    if len(data) > 1:
+        return None
+    mesh = SETUPS[data[0]].mesh_shape if data else (("data", 2),)
+    if any(s.tp for s in setups):
+        mesh = mesh + (("model", 2),)
+    kwargs: dict = {}
+    for s in setups:
+        for key, value in s.shard_kwargs.items():
+            if key == "mixed_precision" and key in kwargs:
+                merged = kwargs[key]._asdict()
+                for field, v in value._asdict().items():
+                    if v != sf.MixedPrecision._field_defaults[field]:
+                        if merged[field] != sf.MixedPrecision._field_defaults[field] and merged[field] != v:
+                            return None
+                        merged[field] = v
+                kwargs[key] = sf.MixedPrecision(**merged)
+            elif key in kwargs and kwargs[key] is not value:
+                return None
+            else:
+                kwargs[key] = value
+    return Setup(mesh, kwargs, tol=max(s.tol for s in setups), tp=any(s.tp for s in setups),
+                 remat=any(s.remat for s in setups), uneven=any(s.uneven for s in setups),
+                 compressed=any(s.compressed for s in setups))
+
+
 # -- the model -----------------------------------------------------------------------------
 
 
@@ -220,16 +256,28 @@ def data_rank(mesh, setup: Setup) -> tuple[int, int]:
     return index, size
 
 
-def run_cell(option: str, entry: str) -> list[str]:
-    """Run one (option, entry) cell on the MLP; returns the problems found ([] = equal to
-    the reference, or refused by the table's own error)."""
-    setup = SETUPS[option]
+def expected_refusal(options: tuple[str, ...], entry: str) -> Exception | None:
+    """The table's error for these options under `entry`, as the step raises it: the
+    options the step's config shows, in the table's order (`sf.remat` is found at run time,
+    so it is refused only when nothing else is)."""
+    ordered = [o.key for o in support.OPTIONS if o.key in options]
+    static = [o for o in ordered if o != "remat"]
+    return support.refusal(entry, static) or support.refusal(entry, ordered)
+
+
+def run_cell(option, entry: str) -> list[str]:
+    """Run one cell on the MLP: `option` is an option key or a tuple of them (a pair);
+    returns the problems found ([] = equal to the reference, or refused by the table's own
+    error)."""
+    options = (option,) if isinstance(option, str) else tuple(option)
+    setup = combine(options)
+    if setup is None:
+        return []  # not a combination one step can have (see `combine`)
     table_entry = entry.partition(":")[0]
-    refusal = support.cell(table_entry, option)
     if table_entry == "estimate":
-        return _estimate_cell(option, setup, refusal)
+        return _estimate_cell(options, setup)
     if table_entry == "jit":
-        return _jit_refusal_cell(option, setup, refusal)
+        return _jit_refusal_cell(options, setup)
     mesh = _mesh(setup.mesh_shape)
     params = mlp_params()
     loss_fn = make_loss(tp=setup.tp, remat=setup.remat)
@@ -251,8 +299,8 @@ def run_cell(option: str, entry: str) -> list[str]:
 
     results = mesh.run(body)
     problems = []
-    if refusal is not None:
-        want = support.refusal(table_entry, [option])
+    want = expected_refusal(options, table_entry)
+    if want is not None:
         for r in results:
             if r[0] != "refused" or str(want) not in r[1]:
                 problems.append(f"expected the table's refusal {str(want)[:80]!r}, got {r[0]}: {str(r[1])[:300]}")
@@ -262,11 +310,11 @@ def run_cell(option: str, entry: str) -> list[str]:
             problems.append(f"refused, but the table supports it: {r[1][:400]}")
             continue
         _, got, whole, stats = r
-        problems += _compare(setup, params, whole, entry, got, stats)
+        problems += _compare(setup, params, whole, entry, got, stats, options)
     return problems
 
 
-def _compare(setup, params, whole, entry, got, stats) -> list[str]:
+def _compare(setup, params, whole, entry, got, stats, options=()) -> list[str]:
     problems = []
     want_grads, want_loss = reference(setup, params, whole, "grads") if entry != "vmap" else (None, None)
     if "loss" in got:
@@ -298,42 +346,56 @@ def _compare(setup, params, whole, entry, got, stats) -> list[str]:
             if not err <= setup.tol:
                 problems.append(f"example {i}'s gradient off by {err:.3g} (tol {setup.tol})")
                 break
-    if setup.compressed:  # the wire format was used: fewer bytes than the same entry in full precision
-        full = _full_precision_bytes(entry)  # (forward-mode tangents are gathered exactly, in full precision)
+    if setup.compressed and _narrower_wire(setup):  # the wire format was used: fewer bytes than without it
+        full = _full_precision_bytes(options, entry)  # (forward-mode tangents are gathered exactly, in full precision)
         if not 0 < stats["all_gather_bytes"] < full:
             problems.append(f"all-gather bytes {stats['all_gather_bytes']} are not compressed (full precision: {full})")
     return problems
 
 
+def _narrower_wire(setup: Setup) -> bool:
+    """Whether the all-gather's wire format is narrower than the compute dtype (a bf16 wire
+    under bf16 compute is the same bytes plus each row's padding)."""
+    mp = setup.shard_kwargs["mixed_precision"]
+    wire = mp.all_gather_dtype
+    itemsize = 1 if wire == "int8" else wire.itemsize if wire is not None else 8
+    return wire is None or itemsize < (mp.param_dtype or torch.float64).itemsize
+
+
 @functools.lru_cache(maxsize=None)
-def _full_precision_bytes(entry: str) -> int:
-    mesh = _mesh(SETUPS["none"].mesh_shape)
-    step = sf.shard(make_loss(), mesh)
-    parts, _ = global_batch(SETUPS["none"], mesh.size)
+def _full_precision_bytes(options: tuple[str, ...], entry: str) -> int:
+    """The all-gather bytes of the same cell with the wire formats off."""
+    setup = combine(options)
+    mp = setup.shard_kwargs["mixed_precision"]._replace(all_gather_dtype=None, reduce_scatter_dtype=None)
+    setup = dataclasses.replace(setup, shard_kwargs=dict(setup.shard_kwargs, mixed_precision=mp))
+    mesh = _mesh(setup.mesh_shape)
+    step = sf.shard(make_loss(tp=setup.tp, remat=setup.remat), mesh, **setup.shard_kwargs)
 
     def body():
-        run_entry(entry, step, step.shard_params(mlp_params()), parts[mesh.rank])
+        index, size = data_rank(mesh, setup)
+        parts, _ = global_batch(setup, size)
+        batch = parts[0] if entry == "vmap" else parts[index]
+        run_entry(entry, step, step.shard_params(mlp_params()), batch)
         return step.stats()["all_gather_bytes"]
 
     return max(mesh.run(body))
 
 
-def _estimate_cell(option: str, setup: Setup, refusal) -> list[str]:
+def _estimate_cell(options: tuple[str, ...], setup: Setup) -> list[str]:
     """sf.estimate's collective bytes equal the eager step's stats() (its grad_and_value,
     the path sf.train_step takes), or the table's refusal."""
     params = mlp_params()
     loss_fn = make_loss(tp=setup.tp, remat=setup.remat)
     shape = dict(setup.mesh_shape)
-    parts, _ = global_batch(setup, 2)
+    want = expected_refusal(options, "estimate")
     try:
         est = sf.estimate(loss_fn, params, (torch.Size([PER_RANK, D]), torch.Size([PER_RANK, 1])), shape,
                           dtype=torch.float64, **setup.shard_kwargs)
     except sf.ShardingError as e:
-        want = support.refusal("estimate", [option])
         if want is not None and str(want) in str(e):
             return []
         return [f"sf.estimate raised: {str(e)[:400]}"]
-    if refusal is not None:
+    if want is not None:
         return ["sf.estimate ran, but the table refuses it"]
     if setup.uneven:  # the dry run gives every rank the same batch shape; compare on equal batches
         setup = dataclasses.replace(setup, uneven=False)
@@ -356,7 +418,7 @@ def _estimate_cell(option: str, setup: Setup, refusal) -> list[str]:
     return problems
 
 
-def _jit_refusal_cell(option: str, setup: Setup, refusal) -> list[str]:
+def _jit_refusal_cell(options: tuple[str, ...], setup: Setup) -> list[str]:
     """On the simulated mesh sf.jit runs nothing, but checks the options first: a refused
     option raises the table's error (a supported one gets to the backend check)."""
     mesh = _mesh(setup.mesh_shape)
@@ -375,10 +437,9 @@ def _jit_refusal_cell(option: str, setup: Setup, refusal) -> list[str]:
         return "ran"
 
     messages = mesh.run(body)
-    want = support.refusal("jit", [option])
+    # sf.remat is found while tracing, on processes (tests/test_composition.py)
+    want = support.refusal("jit", [o.key for o in support.OPTIONS if o.key in options and o.key != "remat"])
     problems = []
-    if option == "remat":  # found while tracing, on processes (tests/test_composition.py)
-        want = None
     for m in messages:
         if want is not None and str(want) not in m:
             problems.append(f"expected the table's refusal, got: {m[:300]}")
@@ -391,4 +452,6 @@ ENTRY_KEYS = ("call", "train_step", "grad_and_value", "func_grad", "backward", "
               "accumulate:reduce_each",
               "accumulate:reduce_once", "jit", "estimate")
 CELLS: list[tuple[str, str]] = [(o, e) for o in SETUPS for e in ENTRY_KEYS]
+PAIRS: list[tuple[str, str]] = [(a, b) for i, a in enumerate(SETUPS) for b in list(SETUPS)[i + 1:]
+                                if "none" not in (a, b) and combine((a, b)) is not None]
 

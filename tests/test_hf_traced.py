@@ -33,10 +33,9 @@ def _traced_vs_eager(arch: str, backend: str):
     model = model_class(arch)(config(arch))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(10 + mesh.rank))
     out = {}
+    apply_fn, params = sf.functional(model)  # one apply function for both ([Note: one apply function])
     for mode in ("eager", "traced"):
-        apply_fn, params = sf.functional(model)
-        fn = apply_fn if mode == "eager" else sf.traced_apply(model)
-        step = sf.shard(lambda p, batch, fn=fn: fn(p, input_ids=batch, labels=batch).loss, mesh)
+        step = sf.shard(lambda p, batch: apply_fn(p, input_ids=batch, labels=batch).loss, mesh)
         shards = step.shard_params(params)
         opt = sf.optim.adamw(1e-3)
         state = opt.init(shards)

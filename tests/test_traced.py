@@ -306,15 +306,13 @@ def _gpt_parity(backend: str, traced_steps: int, cfg: GPTConfig = GPT_CFG, optim
     mesh = sf.init_mesh({"data": 2}, timeout=TIMEOUT)
     torch.manual_seed(0)
     model = GPT(cfg)
-    apply_fn, params = sf.functional(model)
-    traced_apply = sf.traced_apply(model)
+    apply_fn, params = sf.functional(model)  # one apply function, eager and traced
     gen = torch.Generator().manual_seed(7 + mesh.rank)
     idx = torch.randint(0, cfg.vocab_size, (4, cfg.block_size), generator=gen)
     batches = [(idx, torch.roll(idx, -1, dims=1))] * traced_steps  # one batch: the loss falls
     out = {}
     for mode in ("eager", "traced"):
-        fn = apply_fn if mode == "eager" else traced_apply
-        step = sf.shard(lambda p, b, fn=fn: fn(p, *b), mesh)
+        step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
         shards = step.shard_params(params)
         opt = sf.optim.adamw(3e-3) if optimizer == "adamw" else sf.optim.sgd(3e-2)
         train = sf.train_step(step, opt) if mode == "eager" else sf.jit(step, opt, backend=backend)
@@ -612,3 +610,18 @@ def test_benchmark_method_shardfn_traced_tiny(tmp_path):
     (row,) = out["results"]
     assert not row["unsupported"]
     assert row["max_loss_diff_vs_ddp"]["shardfn-traced"] < 1e-4
+
+
+def test_traced_apply_is_sf_functionals_apply_and_runs_in_an_eager_shard_step():
+    """It failed eagerly on the step's params view (TypeError: ParamsView ... is not a Tensor)."""
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    apply_fn, params = sf.functional(model)
+    traced = sf.traced_apply(model)
+    idx = torch.randint(0, GPT_CFG.vocab_size, (2, 8))
+    mesh = sf.local_mesh({"data": 2})
+    losses = {}
+    for name, fn in (("functional", apply_fn), ("traced_apply", traced)):
+        step = sf.shard(lambda p, b, fn=fn: fn(p, *b), mesh)
+        losses[name] = mesh.run(lambda: float(step(step.shard_params(params), (idx, idx))))
+    assert losses["functional"] == losses["traced_apply"] == [float(model(idx, idx))] * 2

@@ -76,8 +76,8 @@ def jit(step, opt, *, backend: str = "inductor", options: dict | None = None,
     Args:
       step: the result of `sf.shard(loss_fn, mesh, ...)`, after `step.shard_params(...)`.
         `loss_fn` must be traceable by dynamo: no `.item()`, no Python branch on a tensor's
-        value (use `torch.where`), no `sf.functional` apply function (use
-        `sf.traced_apply(model)`).
+        value (use `torch.where`), no `sf.remat`. A model's `sf.functional` apply function
+        traces ([Note: one apply function] in shardfn/_functional.py).
       opt: a `sf.optim` transformation (e.g. `sf.optim.adamw(1e-3)`).
       backend: "inductor" (fused kernels) or "aot_eager" (the same graph run op by op:
         compiles in a fraction of the time; for tests and debugging).
@@ -247,8 +247,7 @@ def _untraceable(e: Exception) -> str:
     return (
         f"sf.jit: the train step cannot be traced as one graph: {first}\n"
         f"A traced loss_fn must be one graph: no .item() / float(tensor) / print of a tensor, no Python "
-        f"if/while on a tensor's value (use torch.where), no sf.functional apply function (use "
-        f"sf.traced_apply(model)). The same holds for a learning-rate schedule of your own: in the graph it "
+        f"if/while on a tensor's value (use torch.where), no sf.remat. The same holds for a learning-rate schedule of your own: in the graph it "
         f"gets the step count as a 0-dim tensor (docs/optim.md).\nFix: rewrite that part of loss_fn or the "
         f"schedule, or train eagerly with sf.train_step(step, opt)."
     )
