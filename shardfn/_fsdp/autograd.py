@@ -311,14 +311,14 @@ class LossMean(torch.autograd.Function):
         # [Note: the batch size rides on the loss all-reduce] in batch.py
         pending, rs.batch_check = rs.batch_check, None
         settle(pending)  # the previous step's check, on an accelerator (batch.py)
-        mean, rs.loss_weight, rs.batch_check = reduce_loss(loss, rs.batch_size, rs.config.batch_weighting,
-                                                           rs.groups.data, rs.stats)
+        mean, rs.step.loss_weight, rs.batch_check = reduce_loss(loss, rs.batch_size, rs.config.batch_weighting,
+                                                                rs.groups.data, rs.stats)
         return mean
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.rs = inputs[1]
-        ctx.weight = inputs[1].loss_weight  # None: 1/N; else this rank's n / sum(n) (global_mean)
+        ctx.weight = inputs[1].step.loss_weight  # None: 1/N; else this rank's n / sum(n) (global_mean)
 
     @staticmethod
     @not_traced(_BACKWARD)

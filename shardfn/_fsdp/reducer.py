@@ -52,19 +52,14 @@ class Reducer:
         n = len(plan.sharded)
         sharded_grads, whole_grads = list(grads[:n]), list(grads[n:])
         reduce_dtype = g.reduce_dtype or unit.dtype
-        if mode is StepMode.ACCUMULATE_HOLD:  # add to the local sums, reduce on the last micro-batch
-            if plan.sharded:
-                packed = pack_grads(plan, sharded_grads, reduce_dtype, g.device, lead)
-                unit.acc = packed if unit.acc is None else unit.acc + packed
-            if plan.replicated:
-                held = unit.acc_replicated or [None] * len(plan.replicated)
-                unit.acc_replicated = [_add(a, b) for a, b in zip(held, whole_grads)]
+        if mode is StepMode.ACCUMULATE_HOLD:  # add to the unit's held sums, reduce on the last micro-batch
+            unit.hold_grads(pack_grads(plan, sharded_grads, reduce_dtype, g.device, lead) if plan.sharded else None,
+                            whole_grads if plan.replicated else None)
             return reduce.zero_shard_grads(plan, g.shard_index, g.device, lead)
         out: list[torch.Tensor] = []
         if plan.sharded:
             packed = pack_grads(plan, sharded_grads, reduce_dtype, g.device, lead)  # (k, *lead, S)
-            if unit.acc is not None:
-                packed, unit.acc = packed + unit.acc, None
+            packed = unit.with_held_packed(packed)  # + accumulate(mode="reduce_once")'s held sum
             finish = dict(replica_regions=plan.replica_regions, regions=plan.regions, mesh=self.mesh, stats=self.stats,
                           fix=fix)
             if self._can_defer(plan, mode, reduce_dtype, lead):  # [Note: deferred reductions]
@@ -81,9 +76,7 @@ class Reducer:
                     reduce.check_finite(flat, f"the gradient of {plan.name()}", group=g.all, stats=self.stats)
                 out.extend(reduce.shard_grads(plan, flat, g.shard_index, lead))
         if plan.replicated:
-            if unit.acc_replicated is not None:
-                whole_grads = [_add(a, b) for a, b in zip(whole_grads, unit.acc_replicated)]
-                unit.acc_replicated = None
+            whole_grads = unit.with_held_whole(whole_grads)
             out.extend(reduce.all_reduce_replicated(
                 plan.replicated, whole_grads, shard_axes=cfg.shard_axes, mesh=self.mesh,
                 reduce_dtype=g.reduce_dtype, device=g.device, lead=lead, stats=self.stats, fix=fix))
@@ -132,8 +125,3 @@ def _settle(entry, complete: bool = True) -> None:
     if complete:
         reduce.finish_reduce(flat, **finish)
 
-
-def _add(a, b):
-    if a is None:
-        return b
-    return a if b is None else a + b

@@ -6,7 +6,8 @@ What one rank keeps is split by how long it lives:
 - `Groups` (groups.py): process groups, indices and dtypes, fixed for a (plan, mesh, config);
 - `Schedule` (schedule.py): which units to gather when (access order, prefetch), learned step to step;
 - `StepMode` (schedule.py): what kind of call is running (one enum instead of flags);
-- `UnitRuntime` (unit.py): one unit's lifecycle, buffers and `UnitState`;
+- `UnitRuntime` (unit.py): one unit's lifecycle, buffers and its two states, `TrainingState` x
+  `UnitState`, changed only by its named transitions ([Note: a unit's two states] in unit.py);
 - `RankStep`: what the rank knows of the current step, built fresh each step;
 - `RankState`: the above together. Its transitions `pre_forward` / `post_forward` /
   `pre_backward` / `post_backward` decide when each unit's transitions of the same names
@@ -33,7 +34,7 @@ from .held import Meter
 from .plan import Plan
 from .reducer import Reducer
 from .schedule import Schedule, StepMode
-from .unit import UnitRuntime, UnitState, UnitStep
+from .unit import UnitRuntime
 from .view import current_scope, stacked
 
 __all__ = ["RankStep", "RankState"]
@@ -86,6 +87,7 @@ class RankStep:
     scope_units: set[int] = dataclasses.field(default_factory=set)  # ... and its units
     scope_of: dict[int, object] = dataclasses.field(default_factory=dict)  # unit -> the `together` block it was entered in
     second_backward: bool = False  # a unit's gradient was differentiated ([Note: second order through shard])
+    loss_weight: float | None = None  # this rank's weight in the loss mean, when not 1/N (batch.py)
 
 
 class RankState:
@@ -111,28 +113,24 @@ class RankState:
         self.step = RankStep()  # this step's record, built fresh by begin_step
         self.grad_fix = 1.0  # exact / rounded 1/N of the loss mean's backward ([Note: the loss mean's 1/N])
         self.batch_size = UNKNOWN  # this call's local batch size (batch.py), set by the step
-        self.loss_weight: float | None = None  # this rank's weight in the loss mean, when not 1/N (batch.py)
         self.batch_check = None  # batch.EqualCheck of the last step, read at the next one (on an accelerator)
 
     # -- step lifecycle -------------------------------------------------------------------
     def begin_step(self, leaves: list[torch.Tensor]) -> None:
         hold = self.mode.keeps_stats  # accumulate: the shards, and so their encoding, stay the step's
+        shards = [[plain(leaves[layout.index]) for layout in unit.plan.sharded] for unit in self.units]
         with torch.no_grad():
-            for unit in self.units:
-                unit.hold_encoded = hold
-                unit.reshard()
+            for unit, mine in zip(self.units, shards):
+                unit.begin_step(mine, keep_encoded=hold)
         if not hold:
             self.stats.reset()
             self.encoded.reset()
         self.schedule.begin_step()
         self.step = RankStep(leaves=list(leaves))
-        for unit in self.units:
-            unit.step = UnitStep(shards=[plain(leaves[layout.index]) for layout in unit.plan.sharded])
 
     def drop_encoded(self) -> None:
         """Forget every unit's encoded send buffer (the shards changed: a new step)."""
         for unit in self.units:
-            unit.hold_encoded = False
             unit.drop_encoded()
 
     def post_forward(self) -> None:
@@ -173,9 +171,8 @@ class RankState:
             else:
                 outs = GatherUnit.apply(self, u, *inputs)
             unit.step.outputs = {l.index: o for l, o in zip(order, outs)}
-        elif unit.state is not UnitState.GATHERED and not unit.step.stacked:  # released earlier in this forward
-            unit.finish_gather(in_forward=True)
-            unit.step.pinned = True  # [Note: units used again later in the forward]
+        elif not unit.gathered and not unit.step.stacked:  # released earlier in this forward
+            unit.reenter_forward()  # gathered again and pinned: [Note: units used again later in the forward]
         return unit.step.outputs[i]
 
     def loss_mean(self, loss: torch.Tensor) -> torch.Tensor:
@@ -187,7 +184,6 @@ class RankState:
         """Forward: unit u is touched for the first time (inside GatherUnit.forward): free the
         units before it, gather it, prefetch the next."""
         unit = self.units[u]
-        self.schedule.order.append(u)
         scope = current_scope()
         if scope is None or scope is not self.step.scope:
             self.step.scope, self.step.scope_units = scope, set()
@@ -196,32 +192,37 @@ class RankState:
             self.step.scope_of[u] = scope
         if self.config.reshard_after_forward and not unit.plan.is_root:
             for i, other in enumerate(self.units):
-                if (other is not unit and not other.plan.is_root and other.state is UnitState.GATHERED
+                if (other is not unit and not other.plan.is_root and other.gathered
                         and not other.step.pinned and i not in self.step.scope_units):
                     other.post_forward()
         if scope is not None:
             self.step.scope_units.add(u)
+        self.schedule.order.append(u)  # (here: a failure above leaves no IDLE unit in the order)
         unit.pre_forward(inputs)
         for nxt in self.schedule.prefetch_after(u):
-            self.units[nxt].start_gather()
+            self.units[nxt].prefetch_forward()
 
     def pre_backward(self) -> None:
         """Backward of the loss (LossMean): re-gather the units whose backward comes first."""
         if self.config.reshard_after_forward:
-            self._bring([i for i in reversed(self.schedule.order) if not self.units[i].step.backward_done])
+            self._bring([i for i in reversed(self.schedule.order) if not self.units[i].backward_done])
 
     def post_backward(self, u: int) -> None:
         """Backward of unit u's gather (its grads are complete; GatherUnit.backward): free it
         (and the frozen units used after it, whose backward ops have run), then bring the
-        next ones. Its gradients are then reduced by `reduce_gradients`."""
-        self.units[u].post_backward()
+        next ones. Its gradients are then reduced by `reduce_gradients`. In a second backward
+        (after `pre_second_backward`) its gather's backward frees what that pass gathered."""
+        if self.step.second_backward:
+            self.units[u].post_second_backward()
+        else:
+            self.units[u].post_backward()
         order = self.schedule.order
         pos = order.index(u) if u in order else 0
         for i in order[pos + 1:]:
             if self.units[i].plan.frozen:
-                self.units[i].reshard()
+                self.units[i].release_frozen()
         if self.config.reshard_after_forward:
-            self._bring([i for i in reversed(order[:pos]) if not self.units[i].step.backward_done])
+            self._bring([i for i in reversed(order[:pos]) if not self.units[i].backward_done])
 
     def pre_second_backward(self, u: int) -> None:
         """A second backward reaches unit u's gradient reduce-scatter (reverse-over-reverse;
@@ -235,7 +236,7 @@ class RankState:
         self.step.second_backward = True
         self.grad_fix = 1.0  # this pass's cotangents carry the loss mean's fix already (GatherCotangent)
         for i in self.schedule.order:
-            self.units[i].pre_backward()
+            self.units[i].pre_second_backward()
 
     def check_second_order(self, what: str) -> None:
         """Second order runs only over a step's plain backward (no accumulate hold, no
