@@ -197,3 +197,25 @@ def test_jit_refuses_a_float8_wire_with_inductor_and_names_the_fixes():
                                            r"Fix: sf.jit\(step, opt, backend='aot_eager'\).*'int8' wire"):
         sf.jit(step, sf.optim.sgd(0.1))
     sf.jit(step, sf.optim.sgd(0.1), backend="aot_eager")  # accepted
+
+
+def test_an_accumulate_that_raises_leaves_no_held_gradient_for_the_next_step():
+    """accumulate(mode="reduce_once") holds each unit's gradient sum until its last
+    micro-batch; one that raised before it left the sums on the units, and the next step
+    added them into its gradient (0.57 off, silently)."""
+    mesh = cases._mesh((("data", 2),))
+    setup = cases.SETUPS["none"]
+    step = sf.shard(cases.make_loss(), mesh)
+
+    def body():
+        parts, _ = cases.global_batch(setup, 2)
+        x, y = parts[mesh.rank]
+        shards = step.shard_params(cases.mlp_params())
+        want, _ = step.grad_and_value(shards, (x, y))
+        bad = (x[:, :3], y)  # the second micro-batch fails inside loss_fn
+        with pytest.raises(RuntimeError):
+            step.accumulate(shards, [(x, y), bad], mode="reduce_once")
+        got, _ = step.grad_and_value(shards, (x, y))
+        return all(torch.equal(a, b) for a, b in zip(sf._tree.flatten(got)[0], sf._tree.flatten(want)[0]))
+
+    assert mesh.run(body) == [True, True]

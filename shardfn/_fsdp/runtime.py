@@ -133,6 +133,12 @@ class RankState:
         for unit in self.units:
             unit.drop_encoded()
 
+    def drop_held_grads(self) -> None:
+        """Forget the gradient sums `accumulate(mode="reduce_once")` holds (a run that raised
+        before its last micro-batch: the next step must not add them into its gradient)."""
+        for unit in self.units:
+            unit.grad_sum = None
+
     def post_forward(self) -> None:
         """The forward of the step is over: free the units it gathered (reshard_after_forward)."""
         self.schedule.in_forward = False

@@ -236,7 +236,7 @@ class Shard:
         state.stats.reset()
         state.encoded.reset()
         weights = micro_batch_weights(micro_batches, self.config.batch_weighting, state.groups.data, state.stats)
-        total_loss, total, auxes = None, None, []
+        total_loss, total, auxes, done = None, None, [], False
         try:
             for i, (batch, w) in enumerate(zip(micro_batches, weights)):
                 hold = mode == "reduce_once" and i < len(micro_batches) - 1
@@ -250,9 +250,12 @@ class Shard:
                     auxes.append(out[1])
                 total_loss = loss if total_loss is None else total_loss + loss
                 total = grads if total is None else _tree.tree_map(torch.add, total, grads)
+            done = True
         finally:
             state.mode = StepMode.EAGER
             state.drop_encoded()
+            if not done:
+                state.drop_held_grads()
         m = len(micro_batches)
         mean_loss = total_loss / m
         grads = _tree.tree_map(lambda g: g / m, total)
