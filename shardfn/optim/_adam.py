@@ -150,12 +150,13 @@ def scale_by_adam(
 def _per_leaf(g, mu, nu, b1, b2, denom_scale, denom_eps):
     """The foreach path's arithmetic, out of place and leaf by leaf, with each scalar a float or
     a 0-dim tensor: [Note: differentiable pure mode] in _flat.py. Returns (out, mu, nu)."""
-    like = _hyper.like
+    cast = _hyper.Cast(1.0 - b1, b2, 1.0 - b2, denom_scale, denom_eps)
     out, new_mu, new_nu = [], [], []
     for x, m, v in zip(g, mu, nu):
-        m = torch.lerp(m, x, like(1.0 - b1, m))
-        v = _hyper.addcmul(torch.mul(v, like(b2, v)), x, x, like(1.0 - b2, v))
-        d = torch.add(torch.div(torch.sqrt(v), like(denom_scale, v)), like(denom_eps, v))
+        w1, b2_, w2, scale, eps = cast(m)
+        m = torch.lerp(m, x, w1)
+        v = _hyper.addcmul(torch.mul(v, b2_), x, x, w2)
+        d = torch.add(torch.div(torch.sqrt(v), scale), eps)
         # _finish's two forms ([Note: big leaves]): the same bits as the foreach path
         out.append(torch.div(m, d) if m.numel() >= _BIG else torch.mul(torch.reciprocal(d), m))
         new_mu.append(m)

@@ -12,7 +12,8 @@ accelerator. Pure mode computes with it by torch ops on the per-leaf path
 
 The scalar arithmetic around the leaves (bias corrections, ``1 - b1``, ``lr * wd``) is
 written once for both kinds: Python operators give a float from floats and a 0-dim tensor
-as soon as one operand is a tensor; ``sqrt`` and ``add_scaled`` below pick the op.
+as soon as one operand is a tensor; ``sqrt`` and ``add_scaled`` below pick the op, and
+``Cast`` gives a tensor the dtype and device of the leaves it meets.
 
 In-place and fused modes take numbers only (``numbers_only``): they write under
 ``torch.no_grad()``, so a tensor there could be neither differentiated nor batched.
@@ -68,13 +69,31 @@ def numbers_only(who: str, mode: str, **values: Any) -> None:
             )
 
 
-def like(value: Scalar, leaf: torch.Tensor) -> Scalar:
-    """``value`` for an op on ``leaf``: a tensor in ``leaf``'s dtype (what ATen does with a
-    number, and with a 0-dim tensor for a leaf of 1 dim or more), so a 0-dim leaf is not
-    promoted to the hyperparameter's dtype; a number as it is."""
-    if isinstance(value, torch.Tensor) and value.dtype != leaf.dtype:
-        return value.to(leaf.dtype)
-    return value
+class Cast:
+    """Scalars for ops on leaves: each tensor among ``values`` in the leaf's dtype and on its
+    device, converted once per (dtype, device); numbers as they are.
+
+    The dtype is what ATen does with a number, and with a 0-dim tensor against a leaf of 1
+    dim or more; a 0-dim leaf (which a 0-dim float64 tensor would promote) stays in its dtype,
+    and so does a leaf under vmap, 1-dim underneath. The device lets a scalar that vmap
+    batches (bias corrections of a batched count live on the CPU) meet accelerator leaves.
+    """
+
+    def __init__(self, *values: Scalar):
+        self.values = values
+        self.tensors = any(isinstance(v, torch.Tensor) for v in values)
+        self.cache: dict = {}
+
+    def __call__(self, leaf: torch.Tensor) -> tuple:
+        if not self.tensors:
+            return self.values
+        key = (leaf.dtype, leaf.device)
+        out = self.cache.get(key)
+        if out is None:
+            out = tuple(v.to(device=leaf.device, dtype=leaf.dtype) if isinstance(v, torch.Tensor) else v
+                        for v in self.values)
+            self.cache[key] = out
+        return out
 
 
 def sqrt(x: Scalar) -> Scalar:
@@ -85,12 +104,12 @@ def add_scaled(x: torch.Tensor, y: torch.Tensor, alpha: Scalar) -> torch.Tensor:
     """``x + alpha * y``: ``torch.add(x, y, alpha=alpha)`` for a number (the foreach path's op,
     the same bits), ``x + y * alpha`` for a tensor (``alpha=`` takes numbers only)."""
     if isinstance(alpha, torch.Tensor):
-        return torch.add(x, torch.mul(y, like(alpha, y)))
+        return torch.add(x, torch.mul(y, alpha))
     return torch.add(x, y, alpha=alpha)
 
 
 def addcmul(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: Scalar) -> torch.Tensor:
     """``x + value * a * b``, as ``torch.addcmul`` (which takes a number ``value`` only)."""
     if isinstance(value, torch.Tensor):
-        return torch.addcmul(x, torch.mul(a, like(value, a)), b)
+        return torch.addcmul(x, torch.mul(a, value), b)
     return torch.addcmul(x, a, b, value=value)

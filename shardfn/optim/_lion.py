@@ -81,9 +81,9 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, inplace: bool = False) -
                 torch._foreach_sign_(g)
             return _tree.unflatten(treedef, g), ScaleByLionState(count, state.mu)
         if _flat.per_leaf(g, mu, hyper=(b1, b2)):  # [Note: differentiable pure mode] in _flat.py
-            like = _hyper.like
-            out = [torch.sign(torch.lerp(m, x, like(1.0 - b1, m))) for m, x in zip(mu, g)]
-            mu = [torch.lerp(m, x, like(1.0 - b2, m)) for m, x in zip(mu, g)]
+            cast = _hyper.Cast(1.0 - b1, 1.0 - b2)
+            out = [torch.sign(torch.lerp(m, x, cast(m)[0])) for m, x in zip(mu, g)]
+            mu = [torch.lerp(m, x, cast(m)[1]) for m, x in zip(mu, g)]
             return _tree.unflatten(treedef, out), ScaleByLionState(count, _tree.unflatten(treedef, mu))
         out = torch._foreach_lerp(mu, g, 1.0 - b1)
         torch._foreach_sign_(out)

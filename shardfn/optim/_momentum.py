@@ -74,8 +74,9 @@ def trace(decay: float, nesterov: bool = False, *, inplace: bool = False) -> Gra
                     torch._foreach_copy_(g, tr)
             return _tree.unflatten(treedef, g), state
         if _flat.per_leaf(g, tr, hyper=(decay,)):  # [Note: differentiable pure mode] in _flat.py
-            tr = [torch.add(torch.mul(b, _hyper.like(decay, b)), x) for b, x in zip(tr, g)]
-            out = [_hyper.add_scaled(x, b, decay) for x, b in zip(g, tr)] if nesterov else tr
+            cast = _hyper.Cast(decay)
+            tr = [torch.add(torch.mul(b, *cast(b)), x) for b, x in zip(tr, g)]
+            out = [_hyper.add_scaled(x, b, *cast(b)) for x, b in zip(g, tr)] if nesterov else tr
             return _tree.unflatten(treedef, out), TraceState(trace=_tree.unflatten(treedef, tr))
         tr = torch._foreach_mul(tr, decay)
         torch._foreach_add_(tr, g)

@@ -35,7 +35,8 @@ def _scale_leaves(leaves, factor, inplace, who):
         return leaves
     if (isinstance(factor, torch.Tensor) and not torch.compiler.is_compiling()) or _flat.per_leaf(leaves):
         # [Note: differentiable pure mode] in _flat.py
-        return [torch.mul(t, _hyper.like(factor, t)) for t in leaves]
+        cast = _hyper.Cast(factor)
+        return [torch.mul(t, *cast(t)) for t in leaves]
     return torch._foreach_mul(leaves, factor)
 
 

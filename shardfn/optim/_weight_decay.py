@@ -108,7 +108,8 @@ def add_decayed_weights(
             _flat.refuse_func(who, "optim.add_decayed_weights(...) without inplace=True", us, ps)
         if not inplace and _flat.per_leaf(us, ps, hyper=(weight_decay, scale)):
             # [Note: differentiable pure mode] in _flat.py; out of place even when owned
-            us = [_hyper.add_scaled(x, q, scale * weight_decay) for x, q in zip(us, ps)]
+            cast = _hyper.Cast(scale * weight_decay)
+            us = [_hyper.add_scaled(x, q, *cast(q)) for x, q in zip(us, ps)]
         elif inplace or owned:
             with torch.no_grad():
                 us = _flat.writable(us) if inplace else us

@@ -277,6 +277,24 @@ def test_jacrev_by_tensor_hyperparameters_equals_central_differences(name, step)
     _check_jacobian(f, {k: _t(v) for k, v in values.items()}, f"{name} step {step}, by the hyperparameters")
 
 
+def test_global_norm_and_schedules_are_differentiable():
+    params, _ = _tree_case()
+    _check_jacobian(lambda t: [optim.global_norm(t)], params, "global_norm")
+    _check_jacobian(lambda t: [torch.func.vmap(optim.global_norm)(t)],  # per member of a stack
+                    optree.tree_map(lambda x: torch.stack([x, 2 * x]), params, namespace=NS), "vmap(global_norm)")
+    schedules = {
+        "constant": lambda h: optim.constant_schedule(h["a"]),
+        "linear": lambda h: optim.linear_schedule(h["a"], h["b"], 4, 1),
+        "cosine": lambda h: optim.cosine_decay_schedule(h["a"], 5, alpha=h["b"], exponent=2.0),
+        "warmup_cosine": lambda h: optim.warmup_cosine_decay_schedule(h["b"], h["a"], 2, 6, end_value=h["c"]),
+        "join": lambda h: optim.join_schedules([optim.linear_warmup(h["a"], 2), optim.constant_schedule(h["c"])], [3]),
+    }
+    h = {"a": _t(0.3), "b": _t(0.05), "c": _t(0.02)}
+    for name, make in schedules.items():
+        for step in (0, 1, 3, 7, torch.tensor(3)):  # an int, or the count as a tensor (as in a graph)
+            _check_jacobian(lambda h: [torch.as_tensor(make(h)(step), dtype=D)], h, f"{name} at step {step}")
+
+
 # -- jvp and vmap -------------------------------------------------------------------------------
 
 
@@ -347,7 +365,10 @@ def test_vmap_over_a_stack_of_states_with_different_counts():
 def test_per_leaf_path_gives_the_foreach_paths_bits(name):
     """Float hyperparameters: the update under torch.func.grad and under vmap (per-leaf ops)
     equals the plain update (foreach ops) bit for bit, over 3 steps, on float64 and float32
-    leaves and one of >= 16384 elements (Adam's other form: [Note: big leaves] in _adam.py)."""
+    leaves and one of >= 16384 elements (Adam's other form: [Note: big leaves] in _adam.py).
+    inject_hyperparams (tensor hyperparameters, per-leaf both times): the same under vmap as
+    without, a 0-dim float32 leaf included (its scalars are cast to float32 first, which a
+    batched leaf, 1-dim underneath, would do by itself)."""
     gen = torch.Generator().manual_seed(3)
     params = {"w": torch.randn(3, generator=gen, dtype=D), "b": torch.randn((), generator=gen),
               "v": torch.randn(130, 130, generator=gen)}
@@ -366,23 +387,26 @@ def test_per_leaf_path_gives_the_foreach_paths_bits(name):
         under_vmap = torch.func.vmap(lambda g: opt.update(g, state, params))(stacked)
         for a, b, c in zip(leaves(plain), leaves(under_grad), leaves(under_vmap)):
             assert torch.equal(a, b), f"{name}: the per-leaf path under grad differs from the foreach path"
-            if name.startswith("inject"):  # tensor hyperparameters: vmap's rules for a tensor lerp weight round
-                assert torch.allclose(a, c[0], rtol=1e-14, atol=0)  # differently
-            else:
-                assert torch.equal(a, c[0]), f"{name}: the per-leaf path under vmap differs from the foreach path"
+            assert torch.equal(a, c[0]), f"{name}: the per-leaf path under vmap differs from the foreach path"
         state = plain[1]
 
 
 def test_float_and_tensor_hyperparameters_agree():
-    """A tensor learning rate gives the float's numbers up to rounding (no scale fusion)."""
+    """A tensor learning rate gives the float's numbers up to rounding (no scale fusion), and
+    float64 hyperparameters leave float32 leaves float32, 0-dim ones included."""
     params, grads = _tree_case()
-    a, b = optim.adamw(0.05, weight_decay=0.1), optim.adamw(_t(0.05), weight_decay=_t(0.1))
-    sa, sb = a.init(params), b.init(params)
-    for g in grads:
-        ua, sa = a.update(g, sa, params)
-        ub, sb = b.update(g, sb, params)
-        for x, y in zip(leaves(ua), leaves(ub)):
-            assert torch.allclose(x, y, rtol=1e-14, atol=0)
+    params = {**params, "s": torch.tensor(0.5), "m": torch.ones(3)}  # float32
+    grads = [{**g, "s": torch.tensor(-1.5), "m": torch.full((3,), 2.0)} for g in grads]
+    for make in (lambda lr, wd: optim.adamw(lr, weight_decay=wd), lambda lr, wd: optim.lion(lr, weight_decay=wd),
+                 lambda lr, wd: optim.sgd(lr, momentum=wd, nesterov=True, weight_decay=wd)):
+        a, b = make(0.05, 0.1), make(_t(0.05), _t(0.1))
+        sa, sb = a.init(params), b.init(params)
+        for g in grads:
+            ua, sa = a.update(g, sa, params)
+            ub, sb = b.update(g, sb, params)
+            for x, y in zip(leaves((ua, sa)), leaves((ub, sb))):
+                assert x.dtype == y.dtype
+                assert torch.allclose(x, y, rtol=1e-14 if x.dtype == D else 1e-6, atol=0)
 
 
 # -- no host reads of tensor hyperparameters ------------------------------------------------------
