@@ -417,6 +417,17 @@ def _move(t, device):
     return t.to(device) if isinstance(t, torch.Tensor) and device is not None else t
 
 
+def _functorch_assert(name: str, e: Exception) -> str:
+    return (
+        f"sf.remat: torch's functorch failed an internal assertion inside {name} under a torch.func transform "
+        f"({str(e).splitlines()[0][:120]}). Seen on torch 2.13 with vmap over the gradient of a block that masks "
+        f"its attention with a boolean buffer (the examples' GPT without sdpa); the same block without sf.remat, "
+        f"or with F.scaled_dot_product_attention, works.\nFix: drop sf.remat for this transform (e.g. "
+        f"sf.functional(model) instead of sf.functional(model, remat=True) for per-example gradients), or use "
+        f"scaled_dot_product_attention in the block."
+    )
+
+
 def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_to=None) -> Callable:
     """Rematerialize `fn` in the backward instead of keeping its intermediate values.
 
@@ -485,8 +496,13 @@ def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_t
             leaves, treedef = _tree.flatten((materialize(args), materialize(kwargs)))
         slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         call = _Call(fn, policy, offload, treedef, leaves, slots)
-        with nested():  # opaque to a remat around it ([Note: a recompute must be its forward])
-            outs = _Remat.apply(call, *[leaves[i] for i in slots])
+        try:
+            with nested():  # opaque to a remat around it ([Note: a recompute must be its forward])
+                outs = _Remat.apply(call, *[leaves[i] for i in slots])
+        except RuntimeError as e:
+            if "INTERNAL ASSERT FAILED" in str(e) and "functorch" in str(e):
+                raise SpecError(_functorch_assert(call.name, e)) from e
+            raise
         if call.types is not None:  # the types the forward saw ([Note: varying axes])
             outs = tuple(_vma.tag(o, v, call.types) for o, v in zip(outs, call.out_vmas))
         return call.unflatten_outputs(outs)

@@ -106,10 +106,12 @@ class GatherUnit(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.rs, ctx.u = inputs[0], inputs[1]
+        ctx.call = inputs[0].step  # [Note: one call's backward at a time]
 
     @staticmethod
     @not_traced(_BACKWARD)
     def backward(ctx, *grads):
+        check_call(ctx.rs, ctx.call)
         ctx.rs.post_backward(ctx.u)
         return (None, None) + tuple(ReduceScatterUnit.apply(ctx.rs, ctx.u, False, *grads))
 
@@ -144,6 +146,7 @@ class ReduceScatterUnit(torch.autograd.Function):
         ctx.rs, ctx.u, ctx.stacked = inputs[0], inputs[1], inputs[2]
         ctx.fix = inputs[0].grad_fix
         ctx.third = inputs[0].step.second_backward  # made by a second backward: its backward is a third
+        ctx.call = inputs[0].step
         ctx.floating = [g is not None and g.is_floating_point() for g in inputs[3:]]
 
     @staticmethod
@@ -156,6 +159,7 @@ class ReduceScatterUnit(torch.autograd.Function):
             )
         if ctx.third:
             raise ShardingError(_third_order("a third derivative (reverse mode over a second backward)"))
+        check_call(ctx.rs, ctx.call)
         ctx.rs.pre_second_backward(ctx.u)
         full = GatherCotangent.apply(ctx.rs, ctx.u, ctx.fix, *cotangents)
         return (None, None, None) + tuple(g if f else None for g, f in zip(full, ctx.floating))
@@ -319,10 +323,12 @@ class LossMean(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         ctx.rs = inputs[1]
         ctx.weight = inputs[1].step.loss_weight  # None: 1/N; else this rank's n / sum(n) (global_mean)
+        ctx.call = inputs[1].step
 
     @staticmethod
     @not_traced(_BACKWARD)
     def backward(ctx, g):
+        check_call(ctx.rs, ctx.call)
         return _seed_backward(ctx.rs, ctx.weight, g), None
 
     @staticmethod
@@ -365,6 +371,33 @@ class LossTangent(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, t, rs, weight):
         return LossTangent.apply(t, rs, weight), in_dims[0]
+
+
+# [Note: one call's backward at a time]
+# A unit has one unsharded buffer, and the backward of a call re-gathers into it the shard
+# leaves of the *current* call (`RankStep.leaves`). So the backward of an earlier call of
+# the same step that runs after a later call reads the later call's parameters. With the
+# same shard tensors (`step(s, b1) + step(s, b2)`, accumulation) that is the same values,
+# and right; with other ones (a meta-gradient through optimizer steps: each inner step's
+# shards are new tensors) it was silently wrong (2 SGD steps: 3.7e-4 off, 2 AdamW steps
+# 0.025). That case is refused, on the earlier call's first backward node; one step per
+# call keeps one buffer per call and is right.
+
+
+def check_call(rs: RankState, call) -> None:
+    """Refuse the backward of an earlier call whose shard leaves are not the current call's."""
+    current = rs.step
+    if call is current or (len(call.leaves) == len(current.leaves)
+                           and all(a is b for a, b in zip(call.leaves, current.leaves))):
+        return
+    raise ShardingError(
+        "shard: the backward of an earlier call of this step runs after a later call with other shards "
+        "(e.g. a gradient through optimizer steps: each inner step's shards are new tensors). A step keeps "
+        "one unsharded buffer per unit, which now holds the later call's parameters, so that backward would "
+        "be silently wrong.\nFix: build one sf.shard step per call of the differentiated program "
+        "(steps = [sf.shard(loss_fn, mesh) for _ in range(k)]; shard each step's params with its own "
+        "step.shard_params), or differentiate each call's step before the next call."
+    )
 
 
 def _seed_backward(rs: RankState, weight, g: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._params_view import current_scope, make_view
+from .._functorch import is_batched
 
 __all__ = ["make_view", "current_scope", "stacked"]
 
@@ -19,9 +20,4 @@ __all__ = ["make_view", "current_scope", "stacked"]
 def stacked(t: torch.Tensor) -> bool:
     """Whether `t` is batched by a vmap (an ensemble of shards, [Note: stacked shards]; a
     vmapped batch, whose leading dim is then not the batch size)."""
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(t):
-        if functorch.is_batchedtensor(t):
-            return True
-        t = functorch.get_unwrapped(t)
-    return False
+    return is_batched(t)

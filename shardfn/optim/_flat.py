@@ -52,6 +52,7 @@ import torch
 
 from .. import _tree
 from .._errors import SpecError, bullet_list
+from .._functorch import is_batched
 
 def leaves_like(
     treedef: optree.PyTreeSpec, tree: Any, name: str, who: str, ref: str = "the updates",
@@ -165,7 +166,7 @@ def refuse_func(who: str, fix: str, *trees: Any) -> None:
     for tree in trees:
         for t in (tree if isinstance(tree, list) else _tree.flatten(tree)[0]):
             if isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
-                transform = "vmap" if _batched(t) else "grad, vjp, jacrev, jacfwd or jvp"
+                transform = "vmap" if is_batched(t) else "grad, vjp, jacrev, jacfwd or jvp"
                 raise RuntimeError(
                     f"{who}: refused under torch.func ({transform}): this update runs in place "
                     f"(inplace=True or fused=True), writing the state and gradient tensors under "
@@ -174,14 +175,6 @@ def refuse_func(who: str, fix: str, *trees: Any) -> None:
                 )
 
 
-def _batched(t: torch.Tensor) -> bool:
-    """Whether ``t`` is, or wraps, a vmap-batched tensor."""
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(t):
-        if functorch.is_batchedtensor(t):
-            return True
-        t = functorch.get_unwrapped(t)
-    return False
 
 
 def require_params(params: Any, who: str) -> None:
@@ -229,7 +222,7 @@ def read_count(count: Any) -> int:
     if isinstance(count, torch.Tensor):
         if torch.compiler.is_compiling():
             return count
-        if _batched(count):
+        if is_batched(count):
             return count
     return int(count)
 
@@ -240,7 +233,7 @@ def bump_count(count: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, int]:
     if inplace and isinstance(count, torch.Tensor):
         count.add_(1)
         return count, int(count)
-    if isinstance(count, torch.Tensor) and not torch.compiler.is_compiling() and _batched(count):
+    if isinstance(count, torch.Tensor) and not torch.compiler.is_compiling() and is_batched(count):
         count = count + 1
         return count, count.to(torch.float64)
     value = int(count) + 1

@@ -635,11 +635,11 @@ def test_hypergradient_through_shard_one_step_equals_one_device():
     _sharded_hypergradient(1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "needs shardfn/_fsdp: with k >= 2 steps the outer grad differentiates through several inner "
-    "torch.func.grad(step) calls, whose saved views of a unit's unsharded buffer are re-filled by the "
-    "next call's gather (wrong second-order terms, k=2) or freed by its reshard (k=3: 'setStorage: ... "
-    "out of bounds for storage of size 0'); see [Note: why storage is freed, not the tensor] in "
-    "shardfn/_fsdp/unit.py"))
-def test_hypergradient_through_shard_three_steps_equals_one_device():
-    _sharded_hypergradient(3)
+def test_hypergradient_through_one_shard_step_over_three_steps_is_refused_clearly():
+    """One step differentiated through several of its own calls with other shards is
+    refused ([Note: one call's backward at a time] in shardfn/_fsdp/autograd.py: it was
+    silently wrong); one sf.shard step per call is right (tests/test_composition.py)."""
+    with pytest.raises(sf.ShardingError, match="one sf.shard step per call"):
+        _sharded_hypergradient(3)
+
+
