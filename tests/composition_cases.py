@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -538,6 +539,19 @@ def _jit_refusal_cell(options: tuple[str, ...], setup: Setup, model: str = "mlp"
         if want is None and "needs the distributed backend" not in m:
             problems.append(f"expected the backend refusal on the simulated mesh, got: {m[:300]}")
     return problems
+
+
+def release() -> None:
+    """Drop the cached meshes (each holds gloo groups and their threads for every rank and
+    axis subset: an 8-rank, 3-axis mesh holds hundreds) and models, so that the rest of a
+    test session does not run beside their threads."""
+    _mesh.cache_clear()
+    _full_precision_bytes.cache_clear()
+    _module.cache_clear()
+    from shardfn import _estimate
+
+    _estimate._meta_mesh.cache_clear()  # sf.estimate's meta meshes, one per mesh shape the cells used
+    gc.collect()
 
 
 ENTRY_KEYS = ("call", "train_step", "grad_and_value", "func_grad", "backward", "jvp", "hvp", "hvp_rev", "vmap",
