@@ -19,11 +19,8 @@ its memory. So the dry run keeps values where they are cheap and known:
   (`mask.to(x.device)` with `x` an activation) is such an op: it stays real, on its
   inputs' device, as the real step would. Floating-point ones do go to meta (a KV cache's
   `torch.tensor([], device=x.device)` is then what it is in the real step, under
-  `torch.func` too), and so does a floating-point factory asked for meta (the schedule's
-  own buffers are made so); an integer or bool one (`torch.arange(T, device=x.device)`:
-  positions, cache positions) is made real on the CPU, its values known from the shape
-  alone, so that transformers' mask code can ask `.all()` of positions built from it
-  (a Llama under `use_cache=False` or remat);
+  `torch.func` too), and so does a factory asked for meta (`torch.arange(T,
+  device=x.device)`: the schedule's own buffers are made so);
 - an op that mixes real and meta arguments runs on meta (the real ones are moved there:
   no copy of data), so nothing computed from a parameter or an activation ever has
   values; a real tensor it writes into (`buf.copy_(activation)`) is marked unknown and
@@ -118,11 +115,7 @@ def _run_real_or_meta(func, args, kwargs):
     """An op without meta arguments: for real when it allocates at most REAL_BYTES."""
     device, real = kwargs.get("device"), _tensors(args)
     if not real and device is not None and torch.device(device).type == "meta":  # a meta factory
-        out = func(*args, **kwargs)
-        small = sum(t.untyped_storage().nbytes() for t in _tensors(out)) <= REAL_BYTES
-        if small and not any(t.is_floating_point() or t.is_complex() for t in _tensors(out)):
-            return func(*args, **{**kwargs, "device": torch.device("cpu")})  # positions: values from shapes alone
-        return out
+        return func(*args, **kwargs)
     if real and device is not None and torch.device(device).type == "meta" and not any(
             x.is_floating_point() or x.is_complex() for x in real):  # integer values stay where they are
         kwargs = {**kwargs, "device": real[0].device}

@@ -90,7 +90,7 @@ def test_every_cell_on_the_examples_gpt_and_a_transformers_llama(model, option, 
 def test_a_lean_set_of_cells_on_the_gpt_and_the_llama():
     for model in ("gpt", "llama"):
         for option, entry in (("none", "train_step"), ("wire_int8", "func_grad"), ("hsdp", "hvp"),
-                              ("remat", "estimate"), ("global_mean", "accumulate:reduce_once")):
+                              ("no_reshard", "estimate"), ("global_mean", "accumulate:reduce_once")):
             assert cases.run_cell(option, entry, model) == [], (model, option, entry)
 
 
