@@ -2,7 +2,7 @@
 
 No tensor of the model is ever materialized: the GPT is built on the meta device and the
 step runs on meta tensors, so this takes seconds on a laptop. The page's table sits
-between two markers and is rewritten from this script; tests/test_estimate.py checks that
+between two markers and is rewritten from this script; tests/estimate/test_estimate.py checks that
 the page holds what this script prints.
 
     python -m benchmarks.will_it_fit            # print the table (markdown), write results/will_it_fit.json

@@ -5,7 +5,7 @@ meshes lay ranks out row-major, so each 'gpu' group is one machine: the paramete
 sharded over 'gpu' (all-gathers and reduce-scatters on the fast intra-node link) and
 replicated over 'node' (one gradient all-reduce per step crosses the network).
 
-    # on each of two machines (or two terminals of one, as tests/test_multinode.py does)
+    # on each of two machines (or two terminals of one, as tests/backend/test_multinode.py does)
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
         --rdzv-id gpt-run examples/multinode.py --checkpoint-dir /shared/gpt-run --out losses.json
     # the same run from one launcher: the same losses, bit for bit

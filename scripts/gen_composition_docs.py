@@ -1,6 +1,6 @@
 """Regenerate the table in docs/composition.md from shardfn/_fsdp/support.py.
 
-Run: python scripts/gen_composition_docs.py  (tests/test_composition.py checks the page.)
+Run: python scripts/gen_composition_docs.py  (tests/fsdp/test_composition.py checks the page.)
 """
 
 import pathlib

@@ -530,7 +530,7 @@ def _jit_refusal_cell(options: tuple[str, ...], setup: Setup, model: str = "mlp"
         return "ran"
 
     messages = mesh.run(body)
-    # sf.remat is found while tracing, on processes (tests/test_composition.py)
+    # sf.remat is found while tracing, on processes (tests/fsdp/test_composition.py)
     want = support.refusal("jit", [o.key for o in support.OPTIONS if o.key in options and o.key != "remat"])
     problems = []
     for m in messages:

@@ -21,7 +21,7 @@ exists beside that buffer (fp8's conversion scratch is one row).
   too: a 0.02-scale projection never shares a scale with a norm weight of 1.0, whose
   amax would make the projection's step 50 times coarser (measured on a transformers
   Llama, int8: gradients 13.9% off the fp64 reference with scales across leaves, within
-  1.1% with scales per leaf; tests/test_quant_leaves.py). Bytes per rank: the sum over
+  1.1% with scales per leaf; tests/quant/test_quant_leaves.py). Bytes per rank: the sum over
   sharded leaves of `chunk * payload itemsize + scale itemsize * ceil(chunk / block)`,
   rounded up to 8 (`row_bytes`), a few scales more than one run of blocks over the row.
 - The masters (the shards) stay in full precision; the optimizer updates them.

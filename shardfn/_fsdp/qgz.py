@@ -36,7 +36,7 @@ figure plus the scales.
 Blocks run end to end over each row, across the unit's leaves (`encode` without segments),
 unlike the all-gather's scales per leaf ([Note: quantized all-gather] in gather.py): this
 module sees a packed buffer, not the plan. On the small transformers Llama of
-tests/test_quant_leaves.py (2 ranks) the int8 reduce-scatter alone measured 0.6% off the
+tests/quant/test_quant_leaves.py (2 ranks) the int8 reduce-scatter alone measured 0.6% off the
 fp64 gradient (max error / max gradient), int8 both ways 1.5%, so the gradients have not
 needed it; passing the leaves' chunk sizes here (from the reducer's plan) is the change if
 they do.

@@ -6,7 +6,7 @@ refused there before anything runs, by an error that gives the table's reason an
 fallback. The table below is the one place that says which: the entry points ask it
 (`check(entry, step, plan)`: `sf.jit`, `sf.estimate`, `vmap` over the batch), the docs
 page docs/composition.md is generated from it (`python -m shardfn._fsdp.support`), and
-the matrix tests (tests/test_composition.py) run every cell: a supported cell against its
+the matrix tests (tests/fsdp/test_composition.py) run every cell: a supported cell against its
 reference, a refused one for this message. A cell left out of `REFUSED` is supported, so
 a new option is supported everywhere until someone writes the refusal and its reason;
 the matrix then fails on any cell that is neither right nor refused.

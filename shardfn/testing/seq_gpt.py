@@ -8,7 +8,7 @@ sequence block (`attention="ring"` / `"ulysses"` over `cfg.axis`): positions com
 embeddings, or RoPE with `rope=True`). `mlp_axis` splits the MLP's hidden units over a
 tensor-parallel axis (Megatron: column- then row-parallel, one psum); `mlp_tp_spec`
 gives `sf.shard(..., param_specs=...)` that split. `remat=True` wraps each block in
-`sf.remat`. Used by tests/test_context_parallel_gpt.py, examples/long_context.py and
+`sf.remat`. Used by tests/nn/test_context_parallel_gpt.py, examples/long_context.py and
 docs/howto/context-parallel.md.
 
 The loss is the mean next-token cross-entropy over this rank's tokens. With every rank

@@ -638,7 +638,7 @@ def test_hypergradient_through_shard_one_step_equals_one_device():
 def test_hypergradient_through_one_shard_step_over_three_steps_is_refused_clearly():
     """One step differentiated through several of its own calls with other shards is
     refused ([Note: one call's backward at a time] in shardfn/_fsdp/autograd.py: it was
-    silently wrong); one sf.shard step per call is right (tests/test_composition.py)."""
+    silently wrong); one sf.shard step per call is right (tests/fsdp/test_composition.py)."""
     with pytest.raises(sf.ShardingError, match="one sf.shard step per call"):
         _sharded_hypergradient(3)
 

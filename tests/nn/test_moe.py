@@ -25,7 +25,7 @@ import shardfn as sf
 from collective_cases import mesh_for
 
 _spec = importlib.util.spec_from_file_location(
-    "examples_moe", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "moe.py"))
+    "examples_moe", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "moe.py"))
 moe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(moe)
 

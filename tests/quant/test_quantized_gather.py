@@ -3,7 +3,7 @@
 References are built here from `shardfn._quant` on the full leaves: each rank's shard
 buffer is the concatenation of its `torch.chunk` of every leaf of a unit (zero-padded to
 the chunk size), encoded and decoded with the leaves' chunks as segments (scales per leaf:
-tests/test_quant_leaves.py); `loss_fn` must see exactly those values, each within `bound`
+tests/quant/test_quant_leaves.py); `loss_fn` must see exactly those values, each within `bound`
 of the master value. Gradients: the quantizer is the identity for differentiation
 (straight-through), so the step's gradient must equal the exact fp32 gradient evaluated at
 the decoded parameters; that is how the error bound enters the gradient, and it is checked

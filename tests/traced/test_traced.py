@@ -45,7 +45,7 @@ def _max_diff(a, b) -> float:
 
 def _fresh_dynamo():
     """A forked rank inherits the parent's dynamo caches and counters (the test process may
-    have compiled before: tests/test_compile.py in the same worker): start from zero."""
+    have compiled before: tests/traced/test_compile.py in the same worker): start from zero."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()

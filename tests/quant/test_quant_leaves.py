@@ -25,8 +25,8 @@ from shardfn import _quant
 from shardfn._errors import SpecError
 from shardfn._quant import Wire, bound, decode, encode, nbytes
 from tests import traffic
-from tests.test_quant import cases
-from tests.test_quantized_gather import reference
+from tests.quant.test_quant import cases
+from tests.quant.test_quantized_gather import reference
 
 SCALED = {"int8": "int8", "e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 PROPS = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -1,6 +1,6 @@
 """`sf.estimate`, component by component, against the schedule written out from the shapes.
 
-`tests/test_estimate.py` compares the dry run with the real step (exact where both read
+`tests/estimate/test_estimate.py` compares the dry run with the real step (exact where both read
 the same bookkeeping, 10% on the profiler's peak), which let a dropped optimizer state
 and a dropped gathered-buffer term pass. Here each component is computed in the test from
 the parameter shapes alone, with the formulas of docs/design/memory.md and

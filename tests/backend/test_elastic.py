@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def _torchrun(tmp_path, name, *extra, tries=2):

@@ -281,7 +281,7 @@ def test_hutchinson_example_in_the_docs_runs_and_equals_one_device():
     rank's estimate equals the same probes' mean of zᵀHz on one device."""
     import os
 
-    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "autodiff.md")).read()
+    page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "autodiff.md")).read()
     blocks = re.findall(r"```python\n(.*?)```", page, re.S)
     assert len(blocks) == 1 and "hutchinson" in blocks[0]
     scope = {}

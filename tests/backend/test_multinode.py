@@ -31,7 +31,7 @@ import torch
 
 import shardfn as sf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "multinode.py")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
 ENV["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, ENV.get("PYTHONPATH")]))  # this checkout's shardfn

@@ -1,7 +1,7 @@
 """Every typed transpose, deterministically: op x check_vma x mesh, gradients against the
 global function written out in plain torch.
 
-`tests/test_vma.py` draws its programs at random; a psum under check_vma over an axis of
+`tests/shard_map/test_vma.py` draws its programs at random; a psum under check_vma over an axis of
 more than one rank came up in about one example in twenty, and a wrong psum transpose
 slipped through. Here every collective whose transpose depends on the varying-axis types
 ([Note: typed transposes] in shardfn/_vma.py) runs under both rules (check_vma True: the

@@ -21,7 +21,7 @@ from shardfn.testing import run_multiprocess
 
 import composition_cases as cases
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "composition.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "composition.md"
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,6 +1,6 @@
 """A `shard` step's traffic against byte counts computed here from the parameter shapes.
 
-`tests/test_traffic.py` checks `step.stats()` against the backend's recording; both could
+`tests/fsdp/test_traffic.py` checks `step.stats()` against the backend's recording; both could
 agree on a wrong number. Here the expected bytes come from the design's formulas
 (docs/design/memory.md "Communication per step"), per option, and both `stats()` and the
 recording (`ops.recording`, tests/traffic.py) must equal them:

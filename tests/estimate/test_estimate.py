@@ -422,7 +422,7 @@ def _table_difference(page: str, now: str) -> str:
     return ("sf.estimate now gives other numbers than the table in docs/howto/will-it-fit.md:\n" + "\n".join(diffs)
             + "\nThe page's numbers were checked against the memory model when they were written, so a "
             "difference is a change in what sf.estimate (or the step it dry-runs) counts: find the commit that "
-            "moved it and decide whether the new number is right (tests/test_estimate_exact.py asserts each "
+            "moved it and decide whether the new number is right (tests/estimate/test_estimate_exact.py asserts each "
             "component against the schedule). It is a bug to look at, not a table to refresh; rewrite the page "
             "only once the change is understood and intended, and say why in that commit.")
 
