@@ -35,6 +35,14 @@ from ._inject import inject_hyperparams as inject_hyperparams
 from ._lion import ScaleByLionState as ScaleByLionState
 from ._lion import scale_by_lion as scale_by_lion
 from ._momentum import TraceState as TraceState
+from ._multi import MaskedState as MaskedState
+from ._multi import MultiTransformState as MultiTransformState
+from ._multi import masked as masked
+from ._multi import multi_transform as multi_transform
+from ._multi import set_to_zero as set_to_zero
+from ._muon import ScaleByMuonState as ScaleByMuonState
+from ._muon import muon as muon
+from ._muon import scale_by_muon as scale_by_muon
 from ._momentum import trace as trace
 from ._scale import ScaleByScheduleState as ScaleByScheduleState
 from ._scale import scale as scale
@@ -61,9 +69,12 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "InjectHyperparamsState",
+    "MaskedState",
+    "MultiTransformState",
     "Schedule",
     "ScaleByAdamState",
     "ScaleByLionState",
+    "ScaleByMuonState",
     "ScaleByScheduleState",
     "TraceState",
     "adam",
@@ -81,11 +92,16 @@ __all__ = [
     "lion",
     "linear_schedule",
     "linear_warmup",
+    "masked",
+    "multi_transform",
+    "muon",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "scale_by_muon",
     "scale_by_schedule",
+    "set_to_zero",
     "sgd",
     "trace",
     "train_step",
