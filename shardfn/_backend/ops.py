@@ -16,7 +16,8 @@ identical; only the traffic grows. Tests force the fallbacks through `FORCE_FALL
 numbers the collective (`begin`: desync check, timeout messages), starts it or its
 fallback, and on meta operands answers at once ([Note: meta tensors]); every synchronous
 op is its `_async` op waited at once; and every op maps between a group's logical order
-and its process group's order through `_order`.
+and its process group's order through `_order`. `_issue` also notes the collective in this
+rank's flight recorder, which `Pending.wait` closes ([Note: flight recorder] in flight.py).
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ import contextlib
 import functools
 import math
 import threading
+import time
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .._errors import CollectiveTimeoutError, DesyncError
+from . import flight
 from .base import Group
 
 __all__ = [
@@ -172,15 +176,26 @@ def _note(op: str, group: Group, x: torch.Tensor) -> None:
 class Pending:
     """A collective in flight; `wait()` returns its result (once)."""
 
-    def __init__(self, work, group: Group, what: str, seq: int, finish: Callable[[], torch.Tensor]):
+    def __init__(self, work, group: Group, what: str, seq: int, finish: Callable[[], torch.Tensor],
+                 entry: list | None = None):
         self._work, self._group, self._what, self._seq, self._finish = work, group, what, seq, finish
+        self._entry = entry  # its flight-recorder entry ([Note: flight recorder] in flight.py)
 
     def wait(self) -> torch.Tensor:
         with plain_mode():
+            t_wait = time.time()
             if self._work is not None:
-                self._group.backend.wait(self._work, self._group, self._what, self._seq)
+                try:
+                    self._group.backend.wait(self._work, self._group, self._what, self._seq)
+                except CollectiveTimeoutError:
+                    flight.failed(self._group, "timeout")
+                    raise
                 self._work = None
-            return self._finish()
+            out = self._finish()
+            if self._entry is not None:
+                flight.done(self._entry, t_wait)
+                self._entry = None
+            return out
 
     def then(self, fn: Callable) -> "Pending":
         """This collective followed by `fn` on its result: `wait()` returns `fn(self.wait())`."""
@@ -227,16 +242,21 @@ def _issue(group: Group, op: str, what: str, direct: Callable, fallback: Callabl
         pending = Pending(None, group, "", 0, wait)
         pending.held = held
         return pending
-    seq = group.backend.begin(group, what)
+    try:
+        seq = group.backend.begin(group, what)
+    except DesyncError:
+        flight.failed(group, "desync", op, what)
+        raise
+    entry = flight.record(group, op, what, seq)  # [Note: flight recorder] in flight.py
     if fallback is None or _direct(group, op):
         try:
             work, finish = direct()
-            return Pending(work, group, what, seq, finish)
+            return Pending(work, group, what, seq, finish, entry)
         except RuntimeError as err:
             if fallback is None or not _unsupported(err):
                 raise
             _MISSING.add((type(group.pg).__name__, op))
-    return Pending(None, group, what, seq, fallback)
+    return Pending(None, group, what, seq, fallback, entry)
 
 
 class _Order(NamedTuple):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .._backend import flight
 from . import reduce
 from .plan import UnitPlan, pack_grads
 from .schedule import StepMode
@@ -48,6 +49,10 @@ class Reducer:
         """`unit`'s (a UnitRuntime) full-leaf grads -> this rank's shard grads (sharded
         leaves) and all-reduced grads (whole leaves), as `mode` says; `fix`: the loss mean's
         1/N correction."""
+        with flight.unit(unit.plan.name()):  # [Note: flight recorder]
+            return self._reduce(unit, grads, mode, fix, lead)
+
+    def _reduce(self, unit, grads, mode: StepMode, fix: float, lead: tuple[int, ...]) -> list[torch.Tensor]:
         g, cfg, plan = self.groups, self.config, unit.plan
         n = len(plan.sharded)
         sharded_grads, whole_grads = list(grads[:n]), list(grads[n:])

@@ -23,6 +23,7 @@ import dataclasses
 import torch
 
 from .. import _tree
+from .._backend import flight
 from .._compile import not_traced
 from .._errors import ShardingError
 from .._shard_map import replicated_mismatch
@@ -111,6 +112,7 @@ class RankState:
         # The loss must be the same on every tensor-parallel rank: checked on the first call.
         self.loss_checked = self.groups.tp_size == 1
         self.step = RankStep()  # this step's record, built fresh by begin_step
+        self.calls = 0  # steps begun on this rank (the flight recorder's step label)
         self.grad_fix = 1.0  # exact / rounded 1/N of the loss mean's backward ([Note: the loss mean's 1/N])
         self.batch_size = UNKNOWN  # this call's local batch size (batch.py), set by the step
         self.batch_check = None  # batch.EqualCheck of the last step, read at the next one (on an accelerator)
@@ -127,6 +129,8 @@ class RankState:
             self.encoded.reset()
         self.schedule.begin_step()
         self.step = RankStep(leaves=list(leaves))
+        self.calls += 1
+        flight.context.step = self.calls  # labels this step's collectives ([Note: flight recorder])
 
     def drop_encoded(self) -> None:
         """Forget every unit's encoded send buffer (the shards changed: a new step)."""

@@ -19,7 +19,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from .._backend import ops
+from .._backend import flight, ops
 from . import gather, reduce
 from .autograd import plain
 from .groups import Groups
@@ -146,7 +146,11 @@ def transition(*, training: tuple = tuple(TrainingState), state: tuple = _ANY, s
             idle_stacked = stacked and self.step.stacked and self.training is TrainingState.IDLE
             if (self.training not in training and not idle_stacked) or self.state not in state:
                 raise UnitStateError(_out_of_order(self, name, training, state, stacked))
-            out = method(self, *args, **kwargs)
+            before, flight.context.unit = flight.context.unit, self.plan.name()  # [Note: flight recorder]
+            try:
+                out = method(self, *args, **kwargs)
+            finally:
+                flight.context.unit = before
             if UnitRuntime.observer is not None:
                 UnitRuntime.observer(self, name)
             return out
