@@ -152,6 +152,22 @@ class Layout:
                 mesh.all_reduce(sizes, axes, op="sum")
                 for (i, d), n in zip(where, sizes.tolist()):
                     shapes[i][d] = n
+            # every rank must see the same global shapes: one all-reduce of (max, -min)
+            flat = torch.tensor([n for s in shapes for n in s], dtype=torch.int64)
+            both = torch.cat([flat, -flat])
+            mesh.all_reduce(both, None, op="max")
+            hi, lo = both[: flat.numel()], -both[flat.numel():]
+            if not torch.equal(hi, lo):
+                at, pos = [], 0
+                for p, s in zip(paths, shapes):
+                    if not torch.equal(hi[pos:pos + len(s)], lo[pos:pos + len(s)]):
+                        at.append(f"params{_tree.keystr(p)}: global shape between {tuple(lo[pos:pos + len(s)].tolist())}"
+                                  f" and {tuple(hi[pos:pos + len(s)].tolist())} depending on the rank")
+                    pos += len(s)
+                raise SpecError(f"{self.who}: the blocks do not follow `specs` (torch.chunk per dim over the spec's "
+                                f"axes): the ranks' blocks add up to different global shapes:\n"
+                                + "\n".join(f"  - {q}" for q in at[:10])
+                                + "\nFix: pass the specs the blocks were made with (step.specs for sf.shard's shards).")
         out = []
         coords = mesh.coords if mesh is not None else {}
         mesh_shape = mesh.shape if mesh is not None else {}
