@@ -63,9 +63,10 @@ def _attention_function(name: str):
         if dropout:
             problems.append(f"attention dropout {dropout} (config.attention_dropout): the sf.nn attentions have "
                             f"none; set it to 0.0 or call model.eval()")
-        if getattr(module, "sliding_window", None) is not None:
-            problems.append(f"a sliding window of {module.sliding_window} tokens: only full causal attention is "
-                            f"split; set config.sliding_window=None (or use_sliding_window=False)")
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        if window is not None:
+            problems.append(f"a sliding window of {window} tokens: only full causal attention is split; set "
+                            f"config.sliding_window=None (or use_sliding_window=False)")
         if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
             problems.append("a logit softcap or a position bias (Gemma 2, T5): not supported by the sf.nn attentions")
         if query.shape[2] != key.shape[2]:
@@ -77,12 +78,26 @@ def _attention_function(name: str):
         if problems:
             raise ShardingError(f"{where}: " + "; ".join(problems) + ".")
         mask = None if attention_mask is None else attention_mask.to(torch.bool)
+        if name == "shardfn_ulysses":
+            key, value = _kv_heads_for_ulysses(query, key, value, seq_axis)
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
         out = attend(query, key, value, seq_axis, causal=causal, scale=scaling, mask=mask, layout=seq_layout)
         return out.transpose(1, 2).contiguous(), None  # (B, T_local, H, D), no attention weights
 
     attention.__name__ = f"{name}_attention"
     return attention
+
+
+def _kv_heads_for_ulysses(query, key, value, axis):
+    """Ulysses splits the heads over the axis: with fewer K/V heads than its size N (GQA,
+    N a multiple of Hkv, H of N), repeat each K/V head N / Hkv times, which keeps every
+    query head with its own K/V head (head j of H uses K/V head j // (H / Hkv) either way)."""
+    from .._collectives import axis_size
+
+    n, h, hkv = axis_size(axis), query.shape[1], key.shape[1]
+    if hkv % n and h % n == 0 and n % hkv == 0:
+        key, value = key.repeat_interleave(n // hkv, dim=1), value.repeat_interleave(n // hkv, dim=1)
+    return key, value
 
 
 def _padding_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
@@ -180,13 +195,20 @@ def shard_sequence(batch: Mapping, mesh=None, *, seq_axis: str = "seq", batch_ax
     if ids.dim() != 2 or problems:
         raise ShardingError(f"{where}: input_ids, labels and attention_mask must be (B, T) alike; input_ids has "
                             f"shape {tuple(ids.shape)}" + "".join("; " + p for p in problems) + ".")
+    axes = _axes(batch_axes)
+    if mesh is not None:
+        unknown = [a for a in axes + (seq_axis,) if a not in mesh.shape]
+        if unknown:
+            raise ShardingError(
+                f"{where}: the mesh {dict(mesh.shape)} has no axis {unknown[0]!r} (batch_axes={batch_axes!r}, "
+                f"seq_axis={seq_axis!r}).\nFix: build the mesh with a sequence axis and the batch axes, e.g. "
+                f"{{'data': 2, {seq_axis!r}: 2}}, or pass seq_axis= / batch_axes= (() for none) to match it.")
     B, T = ids.shape
     shift = torch.cat([labels[:, 1:], torch.full((B, 1), IGNORE, dtype=labels.dtype, device=labels.device)], 1)
     if "attention_mask" in batch:  # a padded key is not a target either
         shift = shift.masked_fill(torch.cat([batch["attention_mask"][:, 1:], torch.zeros_like(ids[:, :1])], 1) == 0,
                                   IGNORE)
     scored = shift != IGNORE
-    axes = _axes(batch_axes)
     ranks = 1 if mesh is None else math.prod(mesh.shape[a] for a in axes + (seq_axis,))
     weight = scored.to(torch.float64) * (ranks / max(int(scored.sum()), 1))
     out = {"input_ids": ids, "position_ids": torch.arange(T, device=ids.device).expand(B, T),
@@ -195,9 +217,6 @@ def shard_sequence(batch: Mapping, mesh=None, *, seq_axis: str = "seq", batch_ax
         out["attention_mask"] = batch["attention_mask"]
     if mesh is None:
         return out
-    if seq_axis not in mesh.shape:
-        raise ShardingError(f"{where}: the mesh {dict(mesh.shape)} has no axis {seq_axis!r}.\nFix: build the mesh "
-                            f"with a sequence axis, e.g. {{'data': 2, {seq_axis!r}: 2}}, or pass seq_axis=.")
     n = mesh.shape[seq_axis]
     if layout == "zigzag":
         out = {k: _sfnn.zigzag(x, n, 1) for k, x in out.items()}

@@ -64,6 +64,8 @@ def _decoder(model, where: str):
             f"the embedding in its forward).\nFix: write pre / layer / post for sf.pipeline by hand "
             f"(docs/howto/pipeline.md).")
     windows = {getattr(layer.self_attn, "sliding_window", None) for layer in base.layers}
+    if config.model_type == "mistral":  # Mistral passes config.sliding_window to every attention call
+        windows.add(getattr(config, "sliding_window", None))
     if windows != {None}:
         raise ShardingError(
             f"{where}: the decoder layers use sliding-window attention ({sorted(map(str, windows))}), which needs "
