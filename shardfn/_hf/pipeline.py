@@ -68,7 +68,7 @@ def _decoder(model, where: str):
         windows.add(getattr(config, "sliding_window", None))
     if windows != {None}:
         raise ShardingError(
-            f"{where}: the decoder layers use sliding-window attention ({sorted(map(str, windows))}), which needs "
+            f"{where}: the decoder layers use sliding-window attention (windows of {sorted(w for w in windows if w is not None)} tokens), which needs "
             f"a mask tensor the pipeline does not send between stages.\nFix: config.sliding_window=None (or "
             f"use_sliding_window=False), or train without a pipeline (sf.shard).")
     return prefix, base, head
@@ -174,7 +174,7 @@ class PipelineStages:
     __call__ = loss
 
 
-def pipeline_stages(model, *, microbatches: int, schedule="1f1b", mesh_axis: str = "stage",
+def pipeline_stages(model, *, microbatches: int, schedule=None, mesh_axis: str = "stage",
                     virtual_stages: int = 1, mesh=None, remat: bool = False) -> PipelineStages:
     """Split a transformers decoder LM into `sf.pipeline`'s pre / layers / post.
 
@@ -189,7 +189,8 @@ def pipeline_stages(model, *, microbatches: int, schedule="1f1b", mesh_axis: str
       model: a Llama-shaped `*ForCausalLM` (model_type llama, mistral without sliding
         window, qwen2, qwen3), e.g. from `sf.hf.empty_model` or `from_pretrained`; its
         attention implementation is used as it is (sdpa, eager).
-      microbatches, schedule, mesh_axis, virtual_stages, mesh: as for `sf.pipeline`.
+      microbatches, schedule, mesh_axis, virtual_stages, mesh: as for `sf.pipeline`; the
+        default schedule is "1f1b" ("interleaved" with `virtual_stages > 1`).
       remat: wrap each decoder layer in `sf.remat` (recompute its activations in the backward).
 
     Returns:
@@ -216,4 +217,6 @@ def pipeline_stages(model, *, microbatches: int, schedule="1f1b", mesh_axis: str
       >>> abs(losses[0] - one) < 1e-5 and losses[0] == losses[1]
       True
     """
+    if schedule is None:
+        schedule = "interleaved" if virtual_stages > 1 else "1f1b"
     return PipelineStages(model, microbatches, schedule, mesh_axis, virtual_stages, mesh, remat)
