@@ -22,6 +22,8 @@ respect to gradients, params, state and hyperparameters given as 0-dim tensors
 hyperparameters in the state.
 """
 
+from ._adafactor import AdafactorState as AdafactorState
+from ._adafactor import adafactor as adafactor
 from ._adam import ScaleByAdamState as ScaleByAdamState
 from ._adam import scale_by_adam as scale_by_adam
 from ._alias import adam as adam
@@ -65,6 +67,7 @@ from .base import identity as identity
 from .train import train_step as train_step
 
 __all__ = [
+    "AdafactorState",
     "AppliedUpdates",
     "EmptyState",
     "GradientTransformation",
@@ -77,6 +80,7 @@ __all__ = [
     "ScaleByMuonState",
     "ScaleByScheduleState",
     "TraceState",
+    "adafactor",
     "adam",
     "adamw",
     "add_decayed_weights",

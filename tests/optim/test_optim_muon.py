@@ -17,18 +17,10 @@ import shardfn.optim as optim
 from optim_testutil import NS, assert_close, clone_tree, leaves
 from shardfn._backend import ops
 from shardfn._spec import chunk_bounds
+from matrix_cases import block, grads_of, mlp, mlp_batches, mlp_loss, rel_err, tree_of
 
-STEPS = 10
 SHAPES = {"a": (8, 5), "b": (3, 7), "c": (6, 6), "d": (1, 4), "e": (9, 2)}  # (1, 4): empty shards on 2+ ranks
-
-
-def _tree(shapes, seed, dtype):
-    gen = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in shapes.items()}
-
-
-def _grads(shapes, seed, dtype, steps=STEPS):
-    return [_tree(shapes, seed * 1000 + i, dtype) for i in range(steps)]
+_tree, _grads, _rel_err, _block = tree_of, grads_of, rel_err, block
 
 
 def _run(opt, params, grads):
@@ -49,17 +41,6 @@ def _torch_muon(params, grads, **kw):
             t.grad = g[k].clone()
         opt.step()
     return {k: t.detach() for k, t in zip(names, ts)}, opt
-
-
-def _rel_err(a, b):
-    return max(((x.double() - y.double()).abs().max() / y.double().abs().max().clamp(min=1)).item()
-               for x, y in zip(leaves(a), leaves(b)) if y.numel())
-
-
-def _block(t, spec_axes_sizes, index):
-    """rank `index`'s dim-0 torch.chunk of t over `spec_axes_sizes` ranks."""
-    start, stop = chunk_bounds(t.shape[0], spec_axes_sizes, index)
-    return t[start:stop].clone()
 
 
 # -- one device ---------------------------------------------------------------------------
@@ -212,31 +193,13 @@ def test_specs_that_do_not_fit_the_blocks_are_a_spec_error():
 
 # -- under sf.shard: the recipe, a frozen leaf, accumulation --------------------------------
 
-def _mlp(dtype=torch.float64, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: 0.5 * torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
-    return {"layers": [{"w": r(7, 5), "b": r(7)}, {"w": r(6, 7), "b": r(6)}, {"w": r(5, 6), "b": r(5)}],
-            "head": r(3, 5)}
-
-
-def _mlp_loss(params, batch):
-    x, y = batch  # (B, 5), (B, 3)
-    h = x
-    for layer in params["layers"]:
-        h = torch.tanh(h @ layer["w"].T + layer["b"])  # (B, d)
-    return ((h @ params["head"].T - y) ** 2).mean()
+_mlp, _mlp_loss, _batches = mlp, mlp_loss, mlp_batches
 
 
 def _label(path, p):
     if path == ("layers", 1, "b"):
         return "frozen"
     return "muon" if p.ndim == 2 and path[0] == "layers" else "adamw"
-
-
-def _batches(n, dtype=torch.float64, steps=STEPS, per_rank=4):
-    gen = torch.Generator().manual_seed(9)
-    return [(torch.randn(n * per_rank, 5, generator=gen, dtype=dtype), torch.randn(n * per_rank, 3, generator=gen,
-                                                                                   dtype=dtype)) for _ in range(steps)]
 
 
 def _torch_recipe(params, batches):
