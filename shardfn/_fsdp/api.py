@@ -9,9 +9,10 @@ one call into the step, named for what the caller needs.
 from __future__ import annotations
 
 from .plan import Plan
+from .reduce import raise_nonfinite as _raise_nonfinite
 from .runtime import RankState
 
-__all__ = ["plan_of", "lay_out", "check_same_everywhere", "check_shards", "rank_state"]
+__all__ = ["plan_of", "lay_out", "check_same_everywhere", "check_shards", "rank_state", "raise_nonfinite"]
 
 
 def plan_of(step, shards) -> Plan:
@@ -40,3 +41,10 @@ def check_shards(step, plan: Plan, paths, leaves, index: int) -> None:
 def rank_state(step, plan: Plan) -> RankState:
     """This rank's runtime state for `plan` (made on first use)."""
     return step._state(plan)
+
+
+def raise_nonfinite(step, what: str, bad) -> None:
+    """`check_finite`'s NonFiniteError on every rank, naming `what` and the ranks whose
+    flag `bad` ((1,) float32, 1.0: not finite) is set, as the eager step raises it."""
+    mesh = step.mesh
+    _raise_nonfinite(what, bad, mesh.group(mesh.axis_names))

@@ -37,6 +37,12 @@ class MixedPrecision(NamedTuple):
     reduce_scatter_dtype: torch.dtype | str | None = None
     block_size: int = 4096
 
+    def wires(self) -> tuple[Wire | None, Wire | None]:
+        """The all-gather's and the reduce-scatter's wire formats (None: full precision),
+        resolved once for every runtime: the eager groups, the traced step, the table."""
+        return (Wire.of(self.all_gather_dtype, self.block_size, where="shard: MixedPrecision.all_gather_dtype"),
+                Wire.of(self.reduce_scatter_dtype, self.block_size, where="shard: MixedPrecision.reduce_scatter_dtype"))
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -80,8 +86,7 @@ def make_config(loss_fn, mesh, *, data_axes, shard_axes, units, reshard_after_fo
             dtype = getattr(mixed_precision, field)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise SpecError(f"shard: MixedPrecision.{field} must be a floating torch.dtype or None, got {dtype!r:.60}")
-        for field in ("all_gather_dtype", "reduce_scatter_dtype"):
-            Wire.of(getattr(mixed_precision, field), mixed_precision.block_size, where=f"shard: MixedPrecision.{field}")
+        mixed_precision.wires()  # a SpecError naming the field
     if isinstance(loss_fn, torch.nn.Module):
         raise SpecError(
             f"shard: sf.shard takes a loss function of explicit parameters, loss_fn(params, batch) -> scalar, "

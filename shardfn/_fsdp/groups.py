@@ -46,4 +46,4 @@ class Groups:
         return cls(mesh, mesh.device, mesh.group(config.shard_axes), mesh.group(config.data_axes),
                    mesh.group(mesh.axis_names), hpz, keep, order,
                    mesh.axis_size(plan.tp_axes) if plan.tp_axes else 1, mp.param_dtype, mp.reduce_dtype,
-                   Wire.of(mp.all_gather_dtype, mp.block_size), Wire.of(mp.reduce_scatter_dtype, mp.block_size))
+                   *mp.wires())

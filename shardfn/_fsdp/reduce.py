@@ -21,7 +21,7 @@ from . import qgz
 from .plan import LeafLayout, UnitPlan, unpack_shard_grads
 
 __all__ = ["Stats", "reduce_scatter", "finish_reduce", "shard_grads", "zero_shard_grads", "all_reduce_replicated",
-           "check_finite"]
+           "check_finite", "raise_nonfinite"]
 
 
 def _nbytes(x: torch.Tensor) -> int:
@@ -145,8 +145,13 @@ def check_finite(values: torch.Tensor, what: str, *, group, stats: Stats) -> Non
         return
     bad = torch.tensor([0.0 if bool(torch.isfinite(values).all()) else 1.0], device=values.device)
     stats.collective("all_reduce", _nbytes(bad), group)
-    if float(ops.all_reduce(group, bad, "max")) == 0.0:
-        return
+    if float(ops.all_reduce(group, bad, "max")) != 0.0:
+        raise_nonfinite(what, bad, group)
+
+
+def raise_nonfinite(what: str, bad: torch.Tensor, group) -> None:
+    """Raise check_finite's NonFiniteError on every rank of `group`, naming the ranks whose
+    flag `bad` ((1,) float32: 1.0 where `what` was not finite) is set (one all-gather)."""
     flags = ops.all_gather(group, bad).tolist()
     ranks = [r for r, f in zip(group.ranks, flags) if f]
     raise NonFiniteError(

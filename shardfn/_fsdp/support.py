@@ -25,7 +25,6 @@ from typing import Callable, NamedTuple
 import torch
 
 from .._errors import SpecError, bullet_list
-from .._quant import Wire
 
 __all__ = ["ENTRIES", "OPTIONS", "REFUSED", "Refusal", "active_options", "check", "refusal", "cell", "markdown"]
 
@@ -66,8 +65,10 @@ def _mp(config, field: str):
     return getattr(config.mixed_precision, field, None) if config.mixed_precision is not None else None
 
 
-def _wire(config, field: str):
-    return Wire.of(_mp(config, field), _mp(config, "block_size") or 4096)
+def _wire_kinds(config) -> set[str]:
+    """The kinds of the step's wire formats ("int8", "fp8", "cast")."""
+    mp = config.mixed_precision
+    return set() if mp is None else {w.kind for w in mp.wires() if w is not None}
 
 
 def _low_precision(config) -> bool:
@@ -80,14 +81,11 @@ OPTIONS = (
     Option("low_precision", "MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
            lambda c, p: _low_precision(c)),
     Option("wire_int8", "MixedPrecision(all_gather_dtype='int8', reduce_scatter_dtype='int8')",
-           lambda c, p: any(w is not None and w.kind == "int8" for w in (_wire(c, "all_gather_dtype"),
-                                                                          _wire(c, "reduce_scatter_dtype")))),
+           lambda c, p: "int8" in _wire_kinds(c)),
     Option("wire_fp8", "MixedPrecision(all_gather_dtype=torch.float8_e4m3fn)",
-           lambda c, p: any(w is not None and w.kind == "fp8" for w in (_wire(c, "all_gather_dtype"),
-                                                                         _wire(c, "reduce_scatter_dtype")))),
+           lambda c, p: "fp8" in _wire_kinds(c)),
     Option("wire_cast", "MixedPrecision(all_gather_dtype=torch.bfloat16)",
-           lambda c, p: any(w is not None and w.kind == "cast" for w in (_wire(c, "all_gather_dtype"),
-                                                                          _wire(c, "reduce_scatter_dtype")))),
+           lambda c, p: "cast" in _wire_kinds(c)),
     Option("hsdp", "shard_axes within data_axes (HSDP)", lambda c, p: c.shard_axes != c.data_axes),
     Option("hpz", "reshard_after_forward=<inner shard axes> (hpZ)", lambda c, p: bool(c.reshard_axes)),
     Option("frozen", "frozen=<key path -> bool>", lambda c, p: c.frozen is not None),
@@ -105,9 +103,6 @@ _EAGER = "train eagerly with sf.train_step(step, opt), which supports it"
 REFUSED: dict[tuple[str, str], Refusal] = {
     ("jit", "hpz"): Refusal("the backward re-gather over a sub-group is not written in the traced step", _EAGER),
     ("jit", "tp"): Refusal("the tensor-parallel reductions are not written in the traced step", _EAGER),
-    ("jit", "check_finite"): Refusal("raising from inside a graph needs a host read of every unit's gradient",
-                                     _EAGER),
-    ("jit", "global_mean"): Refusal("the ranks' weights are read on the host, inside the graph", _EAGER),
     ("jit", "remat"): Refusal("sf.remat's autograd Function (a recompute in the backward) is not traceable by dynamo",
                               "drop sf.remat (the traced step re-gathers but keeps activations), or " + _EAGER),
     ("vmap", "global_mean"): Refusal(

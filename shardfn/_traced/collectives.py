@@ -28,7 +28,7 @@ import torch.fx
 from .._backend.ops import exchanges
 from .._quant import Wire, decode, encode, scale_dtype
 
-__all__ = ["GatherFlat", "Wires", "all_reduce_sum", "exchange_pairs", "PACK"]
+__all__ = ["GatherFlat", "Wires", "all_reduce_max", "all_reduce_sum", "exchange_pairs", "PACK"]
 
 
 def _all_gather(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
@@ -41,7 +41,16 @@ def _reduce_scatter(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
 
 def all_reduce_sum(x: torch.Tensor, name: str) -> torch.Tensor:
     """The sum of `x` over the group `name` (a new tensor; no gradient flows through it)."""
-    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", name))
+    return _all_reduce(x, "sum", name)
+
+
+def all_reduce_max(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The max of `x` over the group `name` (a new tensor; no gradient flows through it)."""
+    return _all_reduce(x, "max", name)
+
+
+def _all_reduce(x: torch.Tensor, op: str, name: str) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x.contiguous(), op, name))
 
 
 class Wires(NamedTuple):

@@ -52,8 +52,7 @@ from .._fsdp.plan import pack_shards
 from ..optim.base import apply_updates
 from .checks import check_traceable
 from .._fsdp.gather import segments
-from .._quant import Wire
-from .collectives import GatherFlat, Wires, all_reduce_sum
+from .collectives import GatherFlat, Wires, all_reduce_max, all_reduce_sum
 from .schedule import SchedulePass, TrafficRecord, pin_pass, schedule_units
 from .trees import fill, leaves_of, list_state, skeleton
 
@@ -97,6 +96,8 @@ def jit(step, opt, *, backend: str = "inductor", options: dict | None = None,
         or the simulated mesh.
       ShardingError: `loss_fn` cannot be traced as one graph (the first call; the message
         gives dynamo's reason).
+      NonFiniteError: (a call, with `check_finite=True`) the loss or a unit's gradient is
+        NaN or infinite on some rank, as the eager step raises it; nothing is updated.
 
     Example (on 2 processes; see docs/howto/compile.md):
       >>> train = sf.jit(step, sf.optim.adamw(1e-3))          # doctest: +SKIP
@@ -162,6 +163,9 @@ class TracedStep:
                 if _in_remat(e):
                     support.refused_here("jit", "remat")  # [Note: the composition table]
                 raise ShardingError(_untraceable(e)) from e
+        if self.step.config.check_finite:  # [Note: check_finite in the graph]
+            *out, (local, reduced) = out
+            _raise_if_nonfinite(self.step, plan, local, reduced)
         if self.inplace:  # the graph wrote into `leaves` and `state_leaves`
             return (shards, opt_state) + tuple(out)
         new, new_state = _tree.unflatten(treedef, out[0]), _tree.unflatten(state_def, out[1])
@@ -218,6 +222,24 @@ def _tracing_config():
         yield
 
 
+# [Note: check_finite in the graph]
+# The eager step checks the loss (forward) and each unit's reduced gradient (backward) with
+# a (1,) float32 flag all-reduced by max over every mesh axis, and raises before anything
+# is updated. A graph cannot raise a Python error, so the traced step computes the same
+# flags and all-reduces them one by one (the same bytes and count in `stats()`), returns
+# them beside its results, and the host reads them once per step (one sync, as eager's
+# flags read one each): on a non-finite one it raises eager's NonFiniteError, naming the
+# first flag in eager's order and the ranks that set it; the new shards and state it
+# computed are dropped, so no update was applied. With `inplace=True` the graph writes
+# `where(all finite, new, old)` into the donated tensors, which keeps them as they were.
+
+
+def _raise_if_nonfinite(step, plan, local: torch.Tensor, reduced: torch.Tensor) -> None:
+    bad = [i for i, flag in enumerate(reduced.tolist()) if flag]
+    if bad:
+        api.raise_nonfinite(step, finite_checks(plan)[bad[0]], local[bad[0]:bad[0] + 1])
+
+
 def _batch_size(batch) -> int:
     """The leading dim the batch's tensor leaves share (0-dim leaves aside), else -1."""
     sizes = {int(x.shape[0]) for x in _tree.flatten(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0}
@@ -268,6 +290,8 @@ class _Static(NamedTuple):
     weighting: str
     inplace: bool  # write the results into the input tensors
     replica_name: str | None = None  # HSDP: the group of the data axes that do not shard
+    check_finite: bool = False
+    all_name: str | None = None  # the group of every mesh axis (check_finite's flags)
 
     @classmethod
     def of(cls, step, inplace: bool = False) -> "_Static":
@@ -275,8 +299,10 @@ class _Static(NamedTuple):
         data = mesh.group(cfg.data_axes)
         replicas = tuple(a for a in cfg.data_axes if a not in cfg.shard_axes)
         replica = mesh.group(replicas).pg.group_name if replicas else None
+        every = mesh.group(mesh.axis_names)
         return cls(cfg.has_aux, cfg.mixed_precision, mesh.group(cfg.shard_axes).pg.group_name,
-                   data.pg.group_name, data.size, cfg.batch_weighting, inplace, replica)
+                   data.pg.group_name, data.size, cfg.batch_weighting, inplace, replica, cfg.check_finite,
+                   every.pg.group_name if every.size > 1 else None)
 
 
 def _unpack(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
@@ -311,8 +337,8 @@ def _wires(mp, unit) -> Wires:
     """The unit's wire formats, as the eager runtime resolves them (`_fsdp/groups.py`)."""
     if mp is None:
         return Wires()
-    gather = Wire.of(mp.all_gather_dtype, mp.block_size)
-    return Wires(gather, segments(unit) if gather is not None else None, Wire.of(mp.reduce_scatter_dtype, mp.block_size))
+    gather, reduce = mp.wires()
+    return Wires(gather, segments(unit) if gather is not None else None, reduce)
 
 
 def _gather_params(static: _Static, plan, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -368,6 +394,51 @@ def _loss_mean(static: _Static, loss: torch.Tensor, n: int) -> torch.Tensor:
     return (total[0] / k).to(loss.dtype)
 
 
+def _global_mean(static: _Static, loss: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch_weighting="global_mean"`: the loss mean over the global batch and this rank's
+    weight in it, from the eager step's one all-reduce of (n * loss, n, n^2, unknown)
+    (`_fsdp/batch.py` `reduce_loss`), issued before the backward as there; the weight is
+    1/N when the sizes are equal (eager's None) and n / sum(n) otherwise, rounded to the
+    loss' dtype as eager's backward seed is. Unknown sizes or an empty global batch are an
+    in-graph assert on every rank."""
+    value = loss.detach().reshape(1).to(torch.float64)
+    value = value * n if n > 0 else torch.zeros_like(value)  # an empty batch's (NaN) mean counts 0 times
+    meta = [float(n), float(n * n), 0.0] if n >= 0 else [0.0, 0.0, 1.0]
+    total = all_reduce_sum(torch.cat([value, torch.tensor(meta, dtype=torch.float64, device=loss.device)]),
+                           static.data_name)
+    sum_n, sum_nn, unknown = total[1], total[2], total[3]
+    torch._assert_async((unknown == 0) & (sum_n > 0),
+                        "sf.jit: batch_weighting='global_mean' needs every rank's batch size (one leading dim of "
+                        "the batch's tensor leaves) and a non-empty global batch")
+    k = static.data_size
+    weight = torch.where(k * sum_nn == sum_n * sum_n, torch.full_like(sum_n, 1.0 / k), max(n, 0) / sum_n)
+    return (total[0] / sum_n).to(loss.dtype).reshape(loss.shape), weight.to(loss.dtype)
+
+
+def _nonfinite(values: list[torch.Tensor]) -> torch.Tensor:
+    """check_finite's flag: (1,) float32, 1.0 when any of `values` is NaN or infinite."""
+    bad = torch.stack([(~torch.isfinite(v.detach())).any() for v in values]).any()
+    return bad.to(torch.float32).reshape(1)
+
+
+def finite_checks(plan) -> list[str]:
+    """What `check_finite`'s flags check, in the eager step's order (the loss in the forward,
+    then each reduced sharded unit's gradient in backward order): the error's subject."""
+    units = [u for u in reversed(plan.units) if u.sharded and not u.frozen]
+    return ["the loss"] + [f"the gradient of {unit.name()}" for unit in units]
+
+
+def _flags(static: _Static, plan, loss, grads: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """check_finite in the graph: (local flags, their max over every mesh axis), one tiny
+    all-reduce per flag as the eager step issues them ([Note: check_finite in the graph])."""
+    units = [u for u in reversed(plan.units) if u.sharded and not u.frozen]
+    local = [_nonfinite([loss])] + [_nonfinite([grads[layout.index] for layout in u.sharded]) for u in units]
+    if static.all_name is None:
+        return torch.cat(local), torch.cat(local)
+    reduced = [all_reduce_max(flag, static.all_name) for flag in local]
+    return torch.cat(local), torch.cat(reduced)
+
+
 def _train(static: _Static, loss_fn, opt, plan, skeleton, state_skeleton, leaves: list, state_leaves: list, batch,
            n: int):
     """The traced body: [Note: the traced step]."""
@@ -377,12 +448,19 @@ def _train(static: _Static, loss_fn, opt, plan, skeleton, state_skeleton, leaves
     out = loss_fn(fill(skeleton, full), batch)
     loss, aux = out if static.has_aux else (out, None)
     k = static.data_size
+    mean = None
+    if static.weighting == "global_mean" and k > 1:
+        mean, weight = _global_mean(static, loss, n)
+    else:
+        weight = 1.0 / k
     wanted = [i for i, x in enumerate(live) if x.requires_grad]
-    got = torch.autograd.grad(loss * (1.0 / k), [live[i] for i in wanted], allow_unused=True)
+    got = torch.autograd.grad(loss * weight, [live[i] for i in wanted], allow_unused=True)
     by_leaf = dict(zip(wanted, got))
     grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(x) for i, x in enumerate(leaves)]
+    flags = _flags(static, plan, loss, grads) if static.check_finite else None
     _reduce_replicated(static, plan, leaves, grads)
-    mean = _loss_mean(static, loss, n)
+    if mean is None:
+        mean = _loss_mean(static, loss, n)
     mp = static.mp
     if mp is not None and mp.output_dtype is not None:
         mean = mean.to(mp.output_dtype)
@@ -391,11 +469,13 @@ def _train(static: _Static, loss_fn, opt, plan, skeleton, state_skeleton, leaves
         updates, opt_state = opt.update(grads, opt_state, list(leaves))
         new = apply_updates(list(leaves), updates)
     new_state = leaves_of(opt_state, [])
+    tail = () if flags is None else (flags,)
     if static.inplace:  # donated inputs: AOTAutograd keeps the mutation, inductor stores into them
         with torch.no_grad():
+            ok = None if flags is None else flags[1].sum() == 0  # a non-finite step writes nothing
             for old, value in zip(leaves + state_leaves, new + new_state):
-                old.copy_(value)
-        return (mean, aux) if static.has_aux else (mean,)
+                old.copy_(value if ok is None else torch.where(ok, value, old))
+        return ((mean, aux) if static.has_aux else (mean,)) + tail
     if static.has_aux:
-        return new, new_state, mean, aux
-    return new, new_state, mean
+        return (new, new_state, mean, aux) + tail
+    return (new, new_state, mean) + tail

@@ -111,12 +111,12 @@ def test_the_docs_page_is_the_table():
 
 
 def test_a_refusal_names_every_refused_option_the_reasons_and_the_fix():
-    error = support.refusal("jit", ["hpz", "check_finite", "prefetch"])
+    error = support.refusal("jit", ["hpz", "tp", "check_finite", "prefetch"])
     message = str(error)
     assert message.startswith("sf.jit(step, opt) does not support these options of the step:\n")
     assert "  - reshard_after_forward=<inner shard axes> (hpZ): the backward re-gather" in message
-    assert "  - check_finite=True: raising from inside a graph needs a host read" in message
-    assert "prefetch=2" not in message  # supported
+    assert "  - param_specs=... (FSDP x TP): the tensor-parallel reductions" in message
+    assert "prefetch=2" not in message and "check_finite" not in message  # supported
     assert "Fix: drop the option, or train eagerly with sf.train_step(step, opt)" in message
     assert support.refusal("jit", ["prefetch", "none"]) is None
 

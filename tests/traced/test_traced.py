@@ -553,9 +553,9 @@ PARAMS = mlp_params(torch.Generator().manual_seed(0), [4, 4, 4])
     "options, shape, words",
     [
         ({}, {"data": 2}, "needs the distributed backend"),
-        ({"check_finite": True}, {"data": 2}, "check_finite=True"),
-        ({"batch_weighting": "global_mean"}, {"data": 2}, "batch_weighting='global_mean'"),
         ({"reshard_after_forward": "b"}, {"a": 2, "b": 2}, "hpZ"),
+        ({"param_specs": lambda path: sf.P(None, "b") if path[-1] == "w" else sf.P(), "data_axes": "a"},
+         {"a": 2, "b": 2}, "FSDP x TP"),
     ],
 )
 def test_unsupported_options_name_the_eager_fallback(options, shape, words):
