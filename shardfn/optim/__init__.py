@@ -57,6 +57,9 @@ from ._schedules import join_schedules as join_schedules
 from ._schedules import linear_schedule as linear_schedule
 from ._schedules import linear_warmup as linear_warmup
 from ._schedules import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
+from ._soap import ScaleBySoapState as ScaleBySoapState
+from ._soap import scale_by_soap as scale_by_soap
+from ._soap import soap as soap
 from ._weight_decay import add_decayed_weights as add_decayed_weights
 from .base import AppliedUpdates as AppliedUpdates
 from .base import EmptyState as EmptyState
@@ -79,6 +82,7 @@ __all__ = [
     "ScaleByLionState",
     "ScaleByMuonState",
     "ScaleByScheduleState",
+    "ScaleBySoapState",
     "TraceState",
     "adafactor",
     "adam",
@@ -105,8 +109,10 @@ __all__ = [
     "scale_by_lion",
     "scale_by_muon",
     "scale_by_schedule",
+    "scale_by_soap",
     "set_to_zero",
     "sgd",
+    "soap",
     "trace",
     "train_step",
     "warmup_cosine_decay_schedule",
