@@ -330,3 +330,70 @@ def test_property_sharded_update_equals_single_device(shapes, mesh_i, owner_seed
                 assert torch.equal(shards[key], want), (key, s, r)
             else:
                 assert_close({key: shards[key]}, {key: want})
+
+
+# -- tensor parallelism: a TP-split matrix is orthogonalized as the whole logical matrix -----
+
+def _tp_problem(hidden, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    d = 8
+    params = {"layers": [{"w1": torch.randn(d, hidden, generator=g, dtype=dtype) / d ** 0.5,
+                          "w2": torch.randn(hidden, d, generator=g, dtype=dtype) / hidden ** 0.5,
+                          "scale": torch.ones(d, dtype=dtype)} for _ in range(2)]}
+    layer_specs = {"w1": sf.P(None, "model"), "w2": sf.P("model", None), "scale": None}
+    batches = [(torch.randn(8, d, generator=g, dtype=dtype), torch.randn(8, d, generator=g, dtype=dtype))
+               for _ in range(5)]
+    return params, {"layers": [layer_specs] * 2}, batches
+
+
+def _tp_loss(params, batch, reduce=lambda t: t):
+    x, y = batch
+    for layer in params["layers"]:
+        x = x + reduce(torch.nn.functional.gelu((x * layer["scale"]) @ layer["w1"]) @ layer["w2"])
+    return ((x - y) ** 2).mean()
+
+
+def _tp_label(path, p):
+    return "muon" if p.ndim == 2 else "adamw"
+
+
+def _tp_run(hidden):
+    params, param_specs, batches = _tp_problem(hidden)
+    mesh = sf.local_mesh({"data": 2, "model": 2})
+    step = sf.shard(lambda p, b: _tp_loss(p, b, lambda t: sf.psum(t, "model")), mesh, data_axes="data",
+                    param_specs=param_specs)
+
+    def rank_fn():
+        shards = step.shard_params(clone_tree(params))
+        opt = optim.multi_transform({"muon": optim.muon(0.02, mesh=mesh, specs=step.specs),
+                                     "adamw": optim.adamw(1e-2)}, _tp_label)
+        train = optim.train_step(step, opt)
+        state = opt.init(shards)
+        r = mesh.coords["data"]
+        for x, y in batches:
+            shards, state, _ = train(shards, state, (x.chunk(2)[r], y.chunk(2)[r]))
+        return shards, step.specs, mesh.coords
+
+    return params, batches, mesh, mesh.run(rank_fn)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_matrix_is_orthogonalized_whole():
+    from shardfn._spec import local_block
+
+    params, batches, mesh, results = _tp_run(hidden=32)
+    paths, ps, treedef = optree.tree_flatten_with_path(params, namespace=NS)
+    ts = [p.clone().requires_grad_() for p in ps]
+    muon = torch.optim.Muon([t for path, p, t in zip(paths, ps, ts) if _tp_label(path, p) == "muon"], lr=0.02)
+    adamw = torch.optim.AdamW([t for path, p, t in zip(paths, ps, ts) if _tp_label(path, p) == "adamw"], lr=1e-2)
+    for batch in batches:
+        grads = torch.autograd.grad(_tp_loss(optree.tree_unflatten(treedef, ts), batch), ts)
+        for t, g in zip(ts, grads):
+            t.grad = g
+        muon.step()
+        adamw.step()
+    ref = optree.tree_unflatten(treedef, [t.detach() for t in ts])
+    for shards, specs, coords in results:
+        want = optree.tree_map(lambda x, s: local_block(x, s, coords, mesh.shape), ref, specs, namespace=NS,
+                               none_is_leaf=True)
+        assert _rel_err(shards, want) <= 1e-10
