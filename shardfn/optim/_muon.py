@@ -119,7 +119,9 @@ def scale_by_muon(
     Returns:
         A ``GradientTransformation`` with ``ScaleByMuonState(count, momentum)``; its
         ``update.stats()`` gives this rank's bytes of the last update, its
-        ``update.owners(tree)`` the ``{path: (group axes, owner index)}`` of a tree.
+        ``update.owners(tree)`` the ``{path: (group axes, owner index)}`` of a tree, its
+        ``update.plan(full_params, mesh_shape, specs)`` every rank's stats of one update
+        before any run (``{rank: stats}``, no collective; meta tensors do).
 
     Raises:
         ValueError: (in ``update``) a leaf that is not 2-D, naming its path.
@@ -171,8 +173,14 @@ def scale_by_muon(
         lay, _, own = plan(tree)
         return {lay[i].path: (lay[i].axes, o) for i, o in sorted(own.items())}
 
+    def plan_of(params, mesh_shape, specs=specs):
+        """Every rank's stats of one update, from the full params (or meta tensors), no collective."""
+        return _owner.plan(params, mesh_shape, specs, lambda shape: ns_flops(shape, ns_steps), ns_dtype, ns_dtype,
+                           owners, who)
+
     update.stats = lambda: stats.get(mesh)
     update.owners = owners_of
+    update.plan = plan_of
     return GradientTransformation(init, update)
 
 
@@ -222,4 +230,5 @@ def muon(
     opt = chain(inner, add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))
     opt.update.stats = inner.update.stats
     opt.update.owners = inner.update.owners
+    opt.update.plan = inner.update.plan
     return opt

@@ -316,3 +316,61 @@ def _all_to_all(group, sends: list[torch.Tensor], recv: list[int], dtype, device
 
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+class _Shape:
+    """A mesh's shape only: what `assign_owners` and `plan` read."""
+
+    def __init__(self, mesh_shape: dict):
+        self.shape = dict(mesh_shape)
+        self.axis_names = tuple(self.shape)
+
+
+def plan(params: Any, mesh_shape: dict, specs: Any, cost_fn: Callable[[tuple], float], in_dtype,
+         out_dtype, owners: Owners, who: str) -> dict[int, dict]:
+    """Every rank's `Stats` of one update, from the full params (or meta tensors) with no
+    collective: the owner rule's formula ([Note: the owner rule]) evaluated per rank."""
+    from .._spec import local_shape
+
+    mesh = _Shape(mesh_shape)
+    paths, leaves, _ = _tree.flatten_with_paths(params)
+    if specs is None:
+        axes = mesh.axis_names
+        entry = axes[0] if len(axes) == 1 else axes
+        per_leaf = [PartitionSpec() if x.dim() == 0 else PartitionSpec(entry) for x in leaves]
+    else:
+        per_leaf = [as_spec(s, f"{who}: specs") for s in
+                    _tree.broadcast_prefix(specs, params, what="specs", is_prefix_leaf=is_spec)]
+    lay = []
+    for p, x, s in zip(paths, leaves, per_leaf):
+        s = _full_spec(s, x.dim())
+        names = {a for e in s for a in entry_axes(e)}
+        lay.append(LeafBlocks(p, tuple(x.shape), s, tuple(a for a in mesh.axis_names if a in names)))
+    cost = {i: cost_fn(lb.shape) for i, lb in enumerate(lay)}
+    owner = assign_owners([(i, lb, cost[i]) for i, lb in enumerate(lay)], mesh, owners, who)
+    b_in = _size(in_dtype) if in_dtype is not None else None
+    out = {}
+    for rank in range(math.prod(mesh.shape.values()) if mesh.shape else 1):
+        coords = rank_coords(rank, mesh.shape)
+        st = dict.fromkeys(Stats.KEYS, 0)
+        groups = set()
+        for i, (lb, x) in enumerate(zip(lay, leaves)):
+            bi = b_in or x.element_size()
+            bo = _size(out_dtype) if out_dtype is not None else bi
+            index, k = 0, 1
+            for a in lb.axes:
+                index, k = index * mesh.shape[a] + coords[a], k * mesh.shape[a]
+            mine = math.prod(local_shape(lb.shape, lb.spec, coords, mesh.shape))
+            if k > 1:
+                groups.add((lb.axes, bi))
+            if owner[i] == index:
+                st["owned_matrices"] += 1
+                st["owned_cost"] += cost[i]
+                if k > 1:
+                    st["scatter_bytes"] += (lb.numel - mine) * bo
+                    st["owner_transient_bytes"] += lb.numel * (bi + bo)
+            elif k > 1:
+                st["gather_bytes"] += mine * bi
+        st["num_collectives"] = 2 * len(groups)
+        out[rank] = st
+    return out

@@ -163,8 +163,14 @@ def scale_by_soap(
         lay, _, own = plan(tree)
         return {lay[i].path: (lay[i].axes, o) for i, o in sorted(own.items())}
 
+    def plan_of(params, mesh_shape, specs=specs):
+        """Every rank's stats of one update, from the full params (or meta tensors), no collective."""
+        return _owner.plan(params, mesh_shape, specs, lambda shape: soap_flops(shape, precondition_frequency),
+                           None, None, owners, who)
+
     update.stats = lambda: stats.get(mesh)
     update.owners = owners_of
+    update.plan = plan_of
     return GradientTransformation(init, update)
 
 
@@ -201,4 +207,5 @@ def soap(
     opt = chain(inner, add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))
     opt.update.stats = inner.update.stats
     opt.update.owners = inner.update.owners
+    opt.update.plan = inner.update.plan
     return opt
