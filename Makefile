@@ -7,8 +7,15 @@ PYTEST ?= $(PYTHON) -m pytest
 # Crash isolation: the tests run in a pytest-xdist worker process, so a native crash
 # (a segfault or SIGFPE inside torch or gloo) fails the one test it hit, by name, and a
 # fresh worker runs the rest; the summary is still printed. TEST_WORKERS=2 runs two.
+# The deadline plugin (tests/_deadline.py) makes the run always finish:
+# pytest-timeout (pyproject's `timeout`) stays the inner limit; a test still running
+# HARD_TIMEOUT seconds after its start (stuck in C, signals blocked, worker wedged) has
+# every thread's stack dumped and its worker's whole process tree killed by the xdist
+# controller, and fails as "crashed" with those stacks. Processes a test leaves behind
+# (orphaned ranks included) are killed at its teardown.
 TEST_WORKERS ?= 1
-ISOLATE ?= -p xdist -n $(TEST_WORKERS)
+HARD_TIMEOUT ?= 360
+ISOLATE ?= -p xdist -n $(TEST_WORKERS) -p tests._deadline --hard-timeout $(HARD_TIMEOUT)
 
 .PHONY: setup demo test test-all docs docs-serve quickstart
 

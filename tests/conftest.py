@@ -10,6 +10,9 @@ import torch
 
 from shardfn.testing import run_on_mesh
 
+# the process reaper and the xdist controller's hard per-test deadline (see the module's docs)
+pytest_plugins = ["tests._deadline"]
+
 torch.set_num_threads(1)  # ranks are threads (simulated) or processes: one intra-op thread each
 
 BACKENDS = [

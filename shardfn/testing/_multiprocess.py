@@ -13,10 +13,17 @@ it to exit at once, a peer still inside a collective with it would fail with glo
 "connection closed by peer", and the report would blame the wrong rank. So the ranks
 that die are exactly those that crashed or were killed, and the parent can tell a root
 cause (a death, or the first error reported) from its consequences.
+
+[Note: die with the parent] Each child asks the kernel for SIGKILL when the thread that
+forked it dies (Linux `PR_SET_PDEATHSIG`). A test runner killing its worker on a timeout
+(pytest-timeout's `os._exit`, the deadline plugin's SIGKILL) then takes the ranks with it,
+where they would otherwise linger, orphaned, inside a collective. The forking thread stays
+in `run_multiprocess` until every child has been joined or killed, so this never fires early.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
 import faulthandler
@@ -113,11 +120,28 @@ def _error_payload(err: BaseException) -> bytes:
     ))
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """[Note: die with the parent] (Linux; elsewhere the parent's own kill is all there is)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the request was in place
+        os._exit(1)
+
+
 def _child(rank: int, nprocs: int, store_path: str, port: int, conn, fn: Callable, args, kwargs,
-           timeout: float, env: Mapping[str, str] | None) -> None:
+           timeout: float, env: Mapping[str, str] | None, parent_pid: int | None = None) -> None:
     """Body of one rank process; always leaves through `os._exit` (see [Note: fork, not spawn])."""
     code = 1
     try:
+        if parent_pid is not None:
+            _die_with_parent(parent_pid)
         os.environ.update({
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
@@ -218,7 +242,7 @@ def run_multiprocess(fn: Callable, nprocs: int, *args, timeout: float = 60.0,
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
                 proc = ctx.Process(
                     target=_child,
-                    args=(rank, nprocs, store_path, port, child_conn, fn, args, kwargs, timeout, env),
+                    args=(rank, nprocs, store_path, port, child_conn, fn, args, kwargs, timeout, env, os.getpid()),
                     name=f"shardfn-rank-{rank}",
                     daemon=True,
                 )

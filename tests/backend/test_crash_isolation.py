@@ -42,9 +42,11 @@ def _make_variable(name: str) -> str:
 def test_a_native_crash_fails_one_test_by_name(tmp_path):
     pytest.importorskip("xdist")
     isolate = _make_variable("ISOLATE").replace("$(TEST_WORKERS)", _make_variable("TEST_WORKERS"))
-    assert "xdist" in isolate, isolate
+    isolate = isolate.replace("$(HARD_TIMEOUT)", _make_variable("HARD_TIMEOUT"))
+    assert "xdist" in isolate and "$(" not in isolate, isolate
     (tmp_path / "test_crashes.py").write_text(CRASHING)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # as from make's cwd
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *isolate.split(), "test_crashes.py"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
