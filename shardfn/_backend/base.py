@@ -37,6 +37,10 @@ from .._errors import CollectiveTimeoutError, DesyncError, RankAbortedError
 __all__ = ["Group", "BackendBase", "axis_subsets", "group_members", "rank_coords", "coords_rank"]
 
 _POLL = datetime.timedelta(milliseconds=50)
+# [Note: a lost peer] When a peer process dies, gloo fails the waiting collective at once with
+# a transport error naming an address, not a rank; `wait` turns it into a RankAbortedError
+# that names the group's other ranks (the one, in a group of two).
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe")
 
 
 def rank_coords(rank: int, mesh_shape: Mapping[str, int]) -> dict[str, int]:
@@ -189,7 +193,10 @@ class BackendBase:
                 work.wait(_POLL)
                 return
             except RuntimeError as err:
-                if "timed out" not in str(err).lower():
+                text = str(err).lower()
+                if any(s in text for s in _PEER_LOST):
+                    raise RankAbortedError(self._lost_message(group, what, seq, err)) from err
+                if "timed out" not in text:
                     raise
             if self.abort.is_set():
                 raise RankAbortedError(
@@ -198,6 +205,18 @@ class BackendBase:
                 )
             if time.monotonic() > deadline:
                 raise CollectiveTimeoutError(self._timeout_message(group, what, seq))
+
+    def _lost_message(self, group: Group, what: str, seq: int, err: Exception) -> str:
+        """A peer's connection broke mid-collective ([Note: a lost peer])."""
+        peers = [r for r in group.ranks if r != self.rank()]
+        who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {peers}"
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return (
+            f"{what} over mesh axes {group.axes} (collective #{seq} on that group) failed on rank "
+            f"{self.rank()}: the connection to {who} broke: it died or closed its process group "
+            f"(the backend says: {first[:300]}).\nFix: the cause is on {who}: look at its log (an "
+            f"exception, an out-of-memory kill, a signal); this rank only lost its peer."
+        )
 
     def _timeout_message(self, group: Group, what: str, seq: int) -> str:
         missing = self._missing_ranks(group, seq)

@@ -64,6 +64,7 @@ def ring(backend, rank: int) -> collections.deque:
     if rings is None:
         with _lock:
             rings = backend.__dict__.setdefault("_flight_rings", {})
+            backend.__dict__["_flight_pid"] = os.getpid()  # a forked child does not dump its parent's rings
             _backends.add(backend)
     r = rings.get(rank)
     if r is None:
@@ -202,7 +203,8 @@ def dump(reason: str, backend=None, ranks=None) -> list[str]:
         return []
     os.makedirs(path, exist_ok=True)
     written = []
-    for b in ([backend] if backend is not None else list(_backends)):
+    mine = [b for b in _backends if b.__dict__.get("_flight_pid") == os.getpid()]
+    for b in ([backend] if backend is not None else mine):
         rings = b.__dict__.get("_flight_rings", {})
         for rank, r in sorted(rings.items()):
             if ranks is not None and rank not in ranks:

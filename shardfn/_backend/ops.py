@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from .._errors import CollectiveTimeoutError, DesyncError
+from .._errors import CollectiveTimeoutError, DesyncError, RankAbortedError
 from . import flight
 from .base import Group
 
@@ -187,8 +187,8 @@ class Pending:
             if self._work is not None:
                 try:
                     self._group.backend.wait(self._work, self._group, self._what, self._seq)
-                except CollectiveTimeoutError:
-                    flight.failed(self._group, "timeout")
+                except (CollectiveTimeoutError, RankAbortedError) as err:
+                    flight.failed(self._group, "timeout" if isinstance(err, CollectiveTimeoutError) else "peer failed")
                     raise
                 self._work = None
             out = self._finish()

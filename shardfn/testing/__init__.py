@@ -17,6 +17,7 @@ from ._reference import C as C
 from ._reference import shmap_reference as shmap_reference
 from ._trees import assert_trees_allclose as assert_trees_allclose
 from ._trees import assert_trees_equal as assert_trees_equal
+from . import faults as faults
 
 __all__ = [
     "BACKENDS",
@@ -37,4 +38,5 @@ __all__ = [
     "reference_training",
     "run_multiprocess",
     "run_on_mesh",
+    "faults",
 ]
