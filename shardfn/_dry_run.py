@@ -19,8 +19,11 @@ its memory. So the dry run keeps values where they are cheap and known:
   (`mask.to(x.device)` with `x` an activation) is such an op: it stays real, on its
   inputs' device, as the real step would. Floating-point ones do go to meta (a KV cache's
   `torch.tensor([], device=x.device)` is then what it is in the real step, under
-  `torch.func` too), and so does a factory asked for meta (`torch.arange(T,
-  device=x.device)`: the schedule's own buffers are made so);
+  `torch.func` too), and so does a floating-point factory asked for meta (the schedule's
+  own buffers are made so); an integer or bool one (`torch.arange(T, device=x.device)`:
+  positions, cache positions) is made real on the CPU, its values known from the shape
+  alone, so that transformers' mask code can ask `.all()` of positions built from it
+  (a Llama under `use_cache=False` or remat);
 - an op that mixes real and meta arguments runs on meta (the real ones are moved there:
   no copy of data), so nothing computed from a parameter or an activation ever has
   values; a real tensor it writes into (`buf.copy_(activation)`) is marked unknown and
@@ -115,7 +118,11 @@ def _run_real_or_meta(func, args, kwargs):
     """An op without meta arguments: for real when it allocates at most REAL_BYTES."""
     device, real = kwargs.get("device"), _tensors(args)
     if not real and device is not None and torch.device(device).type == "meta":  # a meta factory
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        small = sum(t.untyped_storage().nbytes() for t in _tensors(out)) <= REAL_BYTES
+        if small and not any(t.is_floating_point() or t.is_complex() for t in _tensors(out)):
+            return func(*args, **{**kwargs, "device": torch.device("cpu")})  # positions: values from shapes alone
+        return out
     if real and device is not None and torch.device(device).type == "meta" and not any(
             x.is_floating_point() or x.is_complex() for x in real):  # integer values stay where they are
         kwargs = {**kwargs, "device": real[0].device}
@@ -257,7 +264,10 @@ class MetaFunctions(TorchFunctionMode):
     ([Note: fused attention in a dry run]), and `torch.tensor(data, device="meta")`, which
     fails under `torch.func.grad` on torch 2.13 ("attempted to call in-place operation
     (aten::detach_) that would mutate a captured Tensor": a KV cache's empty start), is
-    made on the CPU and moved to meta, which works."""
+    made on the CPU and moved to meta, which works. It holds inside `sf.remat`'s forward and
+    recompute too ([Note: modes around a remat call] in shardfn/_remat.py)."""
+
+    inside_remat = True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -200,6 +200,35 @@ class _Replay(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# [Note: modes around a remat call]
+# torch drops the torch-function modes of the caller inside an autograd.Function: its
+# backward runs with none (the engine does not carry them), and under `torch.func` its
+# forward too (torch 2.13). A mode around `remat(fn)` would then see `fn`'s calls without
+# remat and not with it: `sf.estimate`'s `MetaFunctions`, which counts attention as the
+# fused kernel the device runs, missed the recompute's attention, and the dry run of a
+# remat'd transformers model counted its (B, H, T, T) math-path scores (+28% on a tiny
+# Llama). A mode whose meaning is the same at every level of a transform says so with a
+# class attribute `inside_remat = True` (MetaFunctions does); a _Call keeps those active
+# when it is called and enters again the ones missing around the forward and the
+# recompute. Others are not carried: shard's check under `torch.func.grad(step)`
+# (funcgrad.py) reads the transform level it was entered at, and remat's own recording
+# modes follow their own depth ([Note: a recompute must be its forward]).
+
+
+def _caller_modes() -> list:
+    return [m for m in torch.overrides._get_current_function_mode_stack() if getattr(m, "inside_remat", False)]
+
+
+@contextlib.contextmanager
+def _modes(modes: list):
+    active = {id(m) for m in torch.overrides._get_current_function_mode_stack()}
+    with contextlib.ExitStack() as stack:
+        for m in modes:
+            if id(m) not in active:
+                stack.enter_context(m)
+        yield
+
+
 # [Note: no tensors in a _Call]
 # A _Call lives in its _Remat node's ctx, and the Function's outputs are the very tensors
 # `fn` returned, now carrying that node as grad_fn. Keeping them (or the inputs, gathered
@@ -223,6 +252,7 @@ class _Call:
         self.name = _name(fn)
         self.treedef, self.slots = treedef, slots  # slots: positions of tensor leaves
         self.binding = current_binding()
+        self.modes = _caller_modes()  # [Note: modes around a remat call]
         self.types = _vma.current()  # a typed shard_map body: its inputs' types, for the recompute
         self.vmas = [_vma.vma(leaves[i], self.types) for i in slots]
         self.leaves = _static(leaves)  # the tensors come with each call ([Note: no tensors in a _Call])
@@ -329,7 +359,7 @@ class _Remat(torch.autograd.Function):
         previous = getattr(_local, "recorder", None)
         _local.recorder = recorder
         try:
-            with torch.no_grad(), trace, recorder:
+            with _modes(call.modes), torch.no_grad(), trace, recorder:
                 out = call.call(tensors)
         finally:
             _local.recorder = previous
@@ -362,7 +392,7 @@ class _Remat(torch.autograd.Function):
                 kept = {i: _tree.tree_map(lambda t: _move(t, call.devices.get(i)), out) for i, out in kept.items()}
         replay = _Replay(call.names, kept)
         rerun = call.rerun(inputs, wrt, replay)
-        with call.replaying_rng(), call.binding or contextlib.nullcontext():
+        with _modes(call.modes), call.replaying_rng(), call.binding or contextlib.nullcontext():
             outs, pullback = torch.func.vjp(rerun, *[inputs[i] for i in wrt])
         check_outputs(call.name, call.prints, outs)
         partial = pullback(tuple(grads))
@@ -379,7 +409,7 @@ class _Remat(torch.autograd.Function):
         rerun = call.rerun(inputs, wrt)
         primals = [inputs[i] for i in wrt]
         tans = [tangents[i] if tangents[i] is not None else torch.zeros_like(inputs[i]) for i in wrt]
-        with call.replaying_rng(), call.binding or contextlib.nullcontext():
+        with _modes(call.modes), call.replaying_rng(), call.binding or contextlib.nullcontext():
             outs, out = torch.func.jvp(rerun, tuple(primals), tuple(tans))
         check_outputs(call.name, call.prints, outs)
         return out
