@@ -29,6 +29,7 @@ from ._errors import NonFiniteError as NonFiniteError
 from ._errors import RankAbortedError as RankAbortedError
 from ._errors import ShardingError as ShardingError
 from ._errors import SpecError as SpecError
+from ._fsdp.stragglers import StragglerWarning as StragglerWarning
 from ._fsdp import MixedPrecision as MixedPrecision
 from ._fsdp import Shard as Shard
 from ._fsdp import shard as shard
@@ -77,6 +78,7 @@ __all__ = [
     "Shard",
     "ShardingError",
     "SpecError",
+    "StragglerWarning",
     "all_gather",
     "all_to_all",
     "axis_index",

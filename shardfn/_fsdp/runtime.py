@@ -19,6 +19,7 @@ What one rank keeps is split by how long it lives:
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -113,6 +114,8 @@ class RankState:
         self.loss_checked = self.groups.tp_size == 1
         self.step = RankStep()  # this step's record, built fresh by begin_step
         self.calls = 0  # steps begun on this rank (the flight recorder's step label)
+        self.started = 0.0  # time.time() at this step's begin_step
+        self.timings = None  # the straggler check's per-rank times of this step (stats() shows them)
         self.grad_fix = 1.0  # exact / rounded 1/N of the loss mean's backward ([Note: the loss mean's 1/N])
         self.batch_size = UNKNOWN  # this call's local batch size (batch.py), set by the step
         self.batch_check = None  # batch.EqualCheck of the last step, read at the next one (on an accelerator)
@@ -131,6 +134,7 @@ class RankState:
         self.step = RankStep(leaves=list(leaves))
         self.calls += 1
         flight.context.step = self.calls  # labels this step's collectives ([Note: flight recorder])
+        self.started, self.timings = time.time(), None  # [Note: busy time] in stragglers.py
 
     def drop_encoded(self) -> None:
         """Forget every unit's encoded send buffer (the shards changed: a new step)."""

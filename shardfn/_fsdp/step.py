@@ -172,12 +172,36 @@ class Shard:
         return _tree.unflatten(plan.treedef, [tp.combined_spec(l.sharded, s, axes) for l, s in zip(plan.leaves, plan.tp_specs)])
 
     def stats(self) -> dict[str, int]:
-        """Collective bytes, count and peak gathered bytes of this rank's last call."""
+        """Collective bytes, count and peak gathered bytes of this rank's last call; after
+        `check_stragglers`, also every rank's step and busy time of that call
+        (`rank_step_time_s`, `rank_busy_time_s`: lists in the order of the ranks)."""
         rank = self.mesh.rank if self.mesh.in_rank() else 0
         for (r, _), state in self._states.items():
             if r == rank:
-                return dict(state.stats.values)
+                return {**state.stats.values, **(state.timings or {})}
         return dict.fromkeys(Stats.KEYS, 0)
+
+    def check_stragglers(self, *, ratio: float = 1.5, patience: int = 3, min_s: float = 0.05) -> dict:
+        """Exchange this rank's time of the last step with every rank and warn about a straggler.
+
+        Call it on every rank after a step ([Note: busy time] in shardfn/_fsdp/stragglers.py):
+        one small all-gather over every mesh axis (not counted in `stats()`'s bytes). A rank
+        whose busy time (the step's time outside collective waits) exceeds `ratio` times the
+        other ranks' median, and `min_s` seconds more, in each of the last `patience` checks,
+        is named in a `StragglerWarning`.
+
+        Returns:
+          `{"ranks": [...], "step_time_s": [...], "busy_time_s": [...], "slow": [ranks]}`;
+          `stats()` then also holds the two time lists.
+        """
+        from .stragglers import check
+
+        rank = self.mesh.rank
+        state = next((s for (r, _), s in self._states.items() if r == rank), None)
+        if state is None or state.calls == 0:
+            raise ShardingError("shard.check_stragglers: this step has not run on this rank yet.\n"
+                                "Fix: call it after a step (step(...), grad_and_value, torch.func.grad(step)).")
+        return check(state, ratio=ratio, patience=patience, min_s=min_s)
 
     # -- gradients ------------------------------------------------------------------------
     @not_traced(WHOLE_STEP, warn=True)  # [Note: no whole-step graph] in shardfn/_compile.py
