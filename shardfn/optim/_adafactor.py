@@ -106,7 +106,8 @@ def adafactor(
         d: the update's RMS clipping threshold.
         weight_decay: decoupled, times the learning rate.
         maximize: ascend.
-        mesh, specs: as for ``muon`` (specs default: dim 0 over every mesh axis).
+        mesh: the mesh whose ranks hold blocks of the leaves (None: leaves are whole).
+        specs: the leaves' spec tree, e.g. ``step.specs`` (default: dim 0 over every mesh axis).
 
     Returns:
         A ``GradientTransformation`` with ``AdafactorState(count, row_var, col_var, variance)``.

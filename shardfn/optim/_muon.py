@@ -106,8 +106,13 @@ def scale_by_muon(
     """Muon's direction: momentum, then each whole matrix orthogonalized, times the shape ratio.
 
     Args:
-        momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: as
-            ``torch.optim.Muon``.
+        momentum: the buffer's decay (``buf = lerp(buf, g, 1 - momentum)``, as ``torch.optim.Muon``).
+        nesterov: orthogonalize ``lerp(g, buf, momentum)`` instead of ``buf``.
+        ns_coefficients: the quintic Newton–Schulz coefficients ``(a, b, c)``.
+        eps: the floor of the Frobenius norm the input is divided by.
+        ns_steps: Newton–Schulz iterations (< 100).
+        adjust_lr_fn: ``None`` / ``"original"`` (``sqrt(max(1, A/B))``) or ``"match_rms_adamw"``
+            (``0.2 sqrt(max(A, B))``), of the global shape.
         ns_dtype: the Newton–Schulz dtype (torch's is bfloat16); None computes in the
             params' dtype (not torch's numbers: for float64 studies).
         mesh: the mesh whose ranks hold blocks of the leaves (None: leaves are whole).
@@ -211,8 +216,19 @@ def muon(
     one owner rank, orthogonalized whole and scattered back ([Note: the owner rule] in
     ``_owner.py``); every rank of the mesh must call ``update`` together.
 
-    Args: as ``scale_by_muon``, plus ``learning_rate`` (a float or a schedule) and
-        ``weight_decay`` (decoupled, scaled by the learning rate; torch's default 0.1).
+    Args:
+        learning_rate: a float or a schedule ``count -> lr``.
+        weight_decay: decoupled, scaled by the learning rate (torch's default 0.1).
+        momentum: as ``scale_by_muon``.
+        nesterov: as ``scale_by_muon``.
+        ns_coefficients: as ``scale_by_muon``.
+        eps: as ``scale_by_muon``.
+        ns_steps: as ``scale_by_muon``.
+        adjust_lr_fn: as ``scale_by_muon``.
+        ns_dtype: as ``scale_by_muon``.
+        mesh: as ``scale_by_muon``.
+        specs: as ``scale_by_muon``.
+        owners: as ``scale_by_muon``.
 
     Returns:
         The chain; ``opt.update.stats()`` and ``opt.update.owners(tree)`` as in ``scale_by_muon``.

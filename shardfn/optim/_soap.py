@@ -79,11 +79,15 @@ def scale_by_soap(
     """SOAP's direction ``N`` for 2-D leaves, each computed whole by its owner.
 
     Args:
-        b1, b2: Adam's decays (in the eigenbasis for ``b2``).
+        b1: the first moment's decay (kept in the original basis).
+        b2: the second moment's decay (in the eigenbasis).
         shampoo_beta: the decay of ``L`` and ``R`` (default: ``b2``, as the paper's code).
         eps: Adam's epsilon, after the square root.
         precondition_frequency: recompute the eigenbasis every this many Adam steps.
-        mesh, specs, owners: as for ``scale_by_muon``.
+        mesh: the mesh whose ranks hold blocks of the leaves (None: leaves are whole).
+        specs: the leaves' spec tree, e.g. ``step.specs`` (default: dim 0 over every mesh axis).
+        owners: ``owners(path, global_shape, group_size) -> index`` pins each matrix's owner
+            (default: balanced by cost).
 
     Returns:
         A ``GradientTransformation`` with ``ScaleBySoapState``; ``update.stats()`` and
