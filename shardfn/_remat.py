@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import types
 from typing import Any, Callable
@@ -79,6 +80,13 @@ class Policy:
 
     def __repr__(self):
         return f"remat_policies.{self.name}"
+
+    # `ops` as the OpOverloads torch's selective checkpoint takes ([Note: remat under sf.jit]),
+    # listed when the policy is made: dynamo cannot list an op's overloads while tracing
+    overloads: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self):
+        object.__setattr__(self, "overloads", tuple(getattr(p, name) for p in self.ops for name in p.overloads()))
 
 
 def save_only_these_names(*names: str) -> Policy:
@@ -229,6 +237,16 @@ def _modes(modes: list):
         yield
 
 
+# [Note: outputs that are inputs]
+# A block may return one of its inputs as it is: a T5 layer hands the `position_bias` it
+# was given on to the next layer, a block returns its attention mask. An autograd.Function
+# cannot ("An input that has been returned as-is as output is being saved for backward"),
+# and it would gain nothing: the output's gradient is the input's. So the forward notes
+# which outputs are inputs (by identity, on the first call), the Function returns the
+# computed ones only (the recompute too, so the vjp's cotangents line up), and the caller
+# gets its own tensors back at those positions: their gradient flows past remat, exactly.
+
+
 # [Note: no tensors in a _Call]
 # A _Call lives in its _Remat node's ctx, and the Function's outputs are the very tensors
 # `fn` returned, now carrying that node as grad_fn. Keeping them (or the inputs, gathered
@@ -259,7 +277,8 @@ class _Call:
         self.out_vmas: list = []
         self.out_treedef = None
         self.out_static: list = []  # non-tensor outputs, by position
-        self.out_slots: list[int] = []
+        self.out_slots: list[int] = []  # positions of the computed tensor outputs
+        self.out_inputs: dict[int, int] = {}  # position of an output that is an input -> that input's
         self.names: list = []
         self.calls: list = []  # the forward's torch calls and their outputs' signatures
         self.kept: dict[int, Any] = {}
@@ -274,7 +293,10 @@ class _Call:
         for slot, t, v in zip(self.slots, tensors, self.vmas):
             leaves[slot] = _vma.tag(t, v, self.types) if self.types is not None else t
         args, kwargs = _tree.unflatten(self.treedef, leaves)
-        return self.fn(*args, **kwargs)
+        out = self.fn(*args, **kwargs)
+        if self.out_treedef is None:  # the forward: which outputs are inputs ([Note: outputs that are inputs])
+            self._find_outputs(out, [leaves[slot] for slot in self.slots])
+        return out
 
     def rerun(self, inputs, wrt: list[int], replay=None):
         """`fn` again as a function of the inputs at positions `wrt` (the others fixed), with
@@ -294,19 +316,29 @@ class _Call:
 
         return run
 
+    def _find_outputs(self, out, inputs: list) -> None:
+        leaves, self.out_treedef = _tree.flatten(out)
+        self.out_static = _static(leaves)
+        position = {id(t): k for k, t in enumerate(inputs)}
+        tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.out_inputs = {i: position[id(leaves[i])] for i in tensors if id(leaves[i]) in position}
+        self.out_slots = [i for i in tensors if i not in self.out_inputs]
+        self.out_vmas = [_vma.vma(leaves[i], self.types) for i in self.out_slots]
+
     def flat_outputs(self, out) -> tuple:
-        leaves, treedef = _tree.flatten(out)
-        if self.out_treedef is None:
-            self.out_treedef = treedef
-            self.out_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-            self.out_static = _static(leaves)
-            self.out_vmas = [_vma.vma(leaves[i], self.types) for i in self.out_slots]
+        """The tensors `fn` computed among its outputs, in order: not those that are its
+        inputs returned as they are ([Note: outputs that are inputs])."""
+        leaves, _ = _tree.flatten(out)
         return tuple(leaves[i] for i in self.out_slots)
 
-    def unflatten_outputs(self, tensors):
+    def unflatten_outputs(self, tensors, inputs: list):
+        """`fn`'s output: `tensors` the computed ones, `inputs` the caller's tensors (those
+        returned as they are)."""
         leaves = list(self.out_static)
         for slot, t in zip(self.out_slots, tensors):
             leaves[slot] = t
+        for slot, k in self.out_inputs.items():
+            leaves[slot] = inputs[k]
         return _tree.unflatten(self.out_treedef, leaves)
 
     # -- randomness ([Note: randomness in remat]) -------------------------------------------
@@ -458,6 +490,33 @@ def _functorch_assert(name: str, e: Exception) -> str:
     )
 
 
+# [Note: remat under sf.jit]
+# dynamo cannot trace `_Remat` (an autograd.Function holding a Python `_Call` and dispatch
+# modes), but it traces `torch.utils.checkpoint` as one higher-order op whose region
+# AOTAutograd's partitioner recomputes in the backward: the same rematerialization, done
+# by the compiler. So under tracing (`sf.jit`, `torch.compile`) remat is that checkpoint,
+# with the policy's saved ops as torch's selective-checkpoint policy (MUST_SAVE for them,
+# PREFER_RECOMPUTE for the rest). The values are those of `fn` either way; what the graph
+# keeps is the partitioner's choice. Policies by `sf.tag` name and `offload_to` have no
+# form there and are refused before tracing goes on.
+
+
+def _traced(fn, policy: Policy, offload, args, kwargs):
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    if policy.names or offload is not None:
+        raise SpecError(
+            f"sf.remat({_name(fn)}) under sf.jit / torch.compile: the policy {policy!r}"
+            f"{f' with offload_to={offload}' if offload is not None else ''} has no traced form (it keeps values by "
+            f"sf.tag name or moves them between devices).\nFix: policy=sf.remat_policies.nothing_saveable or "
+            f"dots_saveable under sf.jit, or train eagerly with sf.train_step(step, opt)."
+        )
+    if not policy.ops:
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, list(policy.overloads)), **kwargs)
+
+
 def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_to=None) -> Callable:
     """Rematerialize `fn` in the backward instead of keeping its intermediate values.
 
@@ -522,6 +581,8 @@ def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_t
     def wrapped(*args, **kwargs):
         if policy.everything:
             return fn(*args, **kwargs)
+        if torch.compiler.is_compiling():  # [Note: remat under sf.jit]
+            return _traced(fn, policy, offload, args, kwargs)
         with together():  # a block's leaves may span units (frozen=, units=): read at once, none frees another
             leaves, treedef = _tree.flatten((materialize(args), materialize(kwargs)))
         slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -535,7 +596,7 @@ def remat(fn: Callable, *, policy: Policy = policies.nothing_saveable, offload_t
             raise
         if call.types is not None:  # the types the forward saw ([Note: varying axes])
             outs = tuple(_vma.tag(o, v, call.types) for o, v in zip(outs, call.out_vmas))
-        return call.unflatten_outputs(outs)
+        return call.unflatten_outputs(outs, [leaves[i] for i in slots])
 
     wrapped.__wrapped__ = fn
     return wrapped

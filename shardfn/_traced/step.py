@@ -39,8 +39,10 @@ a copy per leaf.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
+import re
 from typing import NamedTuple
 
 import torch
@@ -75,7 +77,8 @@ def jit(step, opt, *, backend: str = "inductor", options: dict | None = None,
     Args:
       step: the result of `sf.shard(loss_fn, mesh, ...)`, after `step.shard_params(...)`.
         `loss_fn` must be traceable by dynamo: no `.item()`, no Python branch on a tensor's
-        value (use `torch.where`), no `sf.remat`. A model's `sf.functional` apply function
+        value (use `torch.where`); `sf.remat` traces as torch's checkpoint ([Note: remat under
+        sf.jit] in shardfn/_remat.py). A model's `sf.functional` apply function
         traces ([Note: one apply function] in shardfn/_functional.py).
       opt: a `sf.optim` transformation (e.g. `sf.optim.adamw(1e-3)`).
       backend: "inductor" (fused kernels) or "aot_eager" (the same graph run op by op:
@@ -160,8 +163,9 @@ class TracedStep:
             try:
                 out = fn(leaves, state_leaves, _cast_batch(self.step.config, batch), n)
             except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as e:
-                if _in_remat(e):
-                    support.refused_here("jit", "remat")  # [Note: the composition table]
+                ours = _raised_while_tracing(e)
+                if ours is not None:
+                    raise ours from e
                 raise ShardingError(_untraceable(e)) from e
         if self.step.config.check_finite:  # [Note: check_finite in the graph]
             *out, (local, reduced) = out
@@ -254,10 +258,23 @@ def _cast_batch(cfg, batch):
                           else x, batch)
 
 
-def _in_remat(e: Exception) -> bool:
-    """Whether dynamo stopped inside sf.remat (its user stack or message names _remat.py)."""
-    stack = getattr(e, "real_stack", None) or []
-    return any("_remat" in getattr(frame, "filename", "") for frame in stack) or "shardfn/_remat" in str(e)
+def _raised_while_tracing(e: Exception) -> Exception | None:
+    """shardfn's own SpecError / ShardingError raised by code dynamo was tracing (loss_fn's
+    sf.remat, a collective's check): dynamo reports it as an "Observed exception" whose
+    cause is `Observed<Name>Error("raised exception Name('message')")`; the message is the
+    user's, so it is raised as itself, not as an untraceable step."""
+    kinds = {"SpecError": SpecError, "ShardingError": ShardingError}
+    seen = e
+    while seen is not None:
+        found = re.fullmatch(r"raised exception (\w+)\((.*)\)", str(seen).strip(), re.S)
+        if found and found.group(1) in kinds:
+            try:
+                message = ast.literal_eval(found.group(2))
+            except (ValueError, SyntaxError):
+                return None
+            return kinds[found.group(1)](message) if isinstance(message, str) else None
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _untraceable(e: Exception) -> str:
@@ -269,7 +286,7 @@ def _untraceable(e: Exception) -> str:
     return (
         f"sf.jit: the train step cannot be traced as one graph: {first}\n"
         f"A traced loss_fn must be one graph: no .item() / float(tensor) / print of a tensor, no Python "
-        f"if/while on a tensor's value (use torch.where), no sf.remat. The same holds for a learning-rate schedule of your own: in the graph it "
+        f"if/while on a tensor's value (use torch.where). The same holds for a learning-rate schedule of your own: in the graph it "
         f"gets the step count as a 0-dim tensor (docs/optim.md).\nFix: rewrite that part of loss_fn or the "
         f"schedule, or train eagerly with sf.train_step(step, opt)."
     )
