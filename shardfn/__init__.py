@@ -58,6 +58,8 @@ from ._visualize import visualize_sharding as visualize_sharding
 from ._traced import jit as jit
 from ._traced import traced_apply as traced_apply
 from .optim import train_step as train_step
+from ._semisync import diloco as diloco
+from ._semisync import local_sgd as local_sgd
 
 __version__ = "0.1.0.dev0"
 
@@ -115,6 +117,8 @@ __all__ = [
     "testing",
     "traced_apply",
     "train_step",
+    "diloco",
+    "local_sgd",
     "unstack_layers",
     "visualize_sharding",
 ]
