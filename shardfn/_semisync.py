@@ -135,7 +135,8 @@ def diloco(step, inner, *, sync_every: int, outer_lr: float = 0.7, outer_momentu
         `sf.shard(loss_fn, mesh, data_axes="shard")` on `{"replica": R, "shard": S}`).
       inner: the inner optimizer (e.g. `sf.optim.adamw(4e-4)`).
       sync_every: H, inner steps per outer step.
-      outer_lr, outer_momentum: the outer `sf.optim.sgd(outer_lr, outer_momentum, nesterov=True)`.
+      outer_lr: the outer `sf.optim.sgd(outer_lr, outer_momentum, nesterov=True)`'s learning rate.
+      outer_momentum: its momentum (0: no momentum, plain SGD).
       outer: another outer optimizer instead (an `sf.optim` transformation).
       replica_axes: the mesh axes across which replicas differ.
       wire: None (the delta all-reduced in its dtype) or a wire format (torch.bfloat16,

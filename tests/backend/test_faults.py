@@ -125,6 +125,7 @@ def test_raise_in_a_units_backward_names_the_rank_fast():
     assert time.monotonic() - start < HANG_BOUND_S
 
 
+@pytest.mark.slow
 @in_fresh_process
 def test_raise_in_a_units_backward_on_the_simulated_mesh():
     """The error is rank 2's, named; the peers, though, are inside their deferred
