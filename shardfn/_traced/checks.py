@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .._errors import SpecError
 from .._fsdp import support
+from .._fsdp.plan import hpz_rows
 
 __all__ = ["check_traceable"]
 
@@ -28,6 +29,8 @@ def check_traceable(step, plan) -> None:
     if group.perm is not None:
         raise _refuse(f"shard axes {cfg.shard_axes} named in another order than the mesh",
                       "the functional all-gather orders ranks by the process group")
+    if cfg.reshard_axes:
+        _check_hpz(step)
     for unit in plan.units:
         for layout in unit.replicated:
             if layout.replica_axes or layout.reduce_axes:
@@ -41,3 +44,19 @@ def check_traceable(step, plan) -> None:
             "threads (docs/fsdp_design.md, 'Traced step').\nFix: run under torchrun (or "
             "sf.testing.run_multiprocess), or train eagerly with sf.train_step(step, opt) on the simulated mesh."
         )
+
+
+def _check_hpz(step) -> None:
+    """[Note: hpZ in the graph]: the re-gather's rows are the inner-axes pattern, and the
+    all-gather travels in full precision."""
+    cfg, mesh = step.config, step.mesh
+    k, m = mesh.axis_size(cfg.shard_axes), mesh.axis_size(cfg.reshard_axes)
+    sub = mesh.group(cfg.reshard_axes)
+    keep, order = hpz_rows(mesh, cfg.shard_axes, cfg.reshard_axes)
+    if sub.perm is not None or keep != list(range(sub.index, k, m)) or \
+            order != [(j % m) * (k // m) + j // m for j in range(k)]:
+        raise _refuse(f"reshard_after_forward={cfg.reshard_axes} (hpZ) over shard axes {cfg.shard_axes}",
+                      "the re-gather's axes must be the inner (last) shard axes, in the mesh's order")
+    if cfg.mixed_precision is not None and cfg.mixed_precision.wires()[0] is not None:
+        raise _refuse("hpZ with MixedPrecision(all_gather_dtype=...)",
+                      "the kept rows of a quantized all-gather are not written in the traced step")

@@ -76,7 +76,7 @@ import torch.fx
 
 from .collectives import PACK, exchange_pairs
 
-__all__ = ["TrafficRecord", "schedule_units", "SchedulePass", "order_constraints", "pin_order", "pin_pass"]
+__all__ = ["Hpz", "TrafficRecord", "schedule_units", "SchedulePass", "order_constraints", "pin_order", "pin_pass"]
 
 _C = torch.ops._c10d_functional
 _STARTS = (_C.all_gather_into_tensor.default, _C.reduce_scatter_tensor.default, _C.all_reduce.default,
@@ -178,10 +178,68 @@ def _copy_before(anchor, nodes: list, env: dict) -> None:
             env[node] = new
 
 
-def schedule_units(graph: torch.fx.Graph, reshard: tuple[bool, ...], record: TrafficRecord, prefetch: int = 1) -> None:
+@dataclasses.dataclass(frozen=True)
+class Hpz:
+    """[Note: hpZ in the graph] The backward re-gather's sub-group: `m` ranks (group
+    `name`), this rank's index `mine` among them; the shard group has `k` ranks."""
+
+    k: int
+    m: int
+    mine: int
+    name: str
+
+
+# [Note: hpZ in the graph]
+# With `reshard_after_forward=<inner shard axes>` (hpZ, [Note: hpZ] in _fsdp/plan.py) the
+# eager unit keeps, after its forward all-gather, the k / m rows of the gathered buffer
+# its sub-group peers do not hold ((k / m, S): the rows of its own sub-group index), and
+# the backward re-gathers them over the m-rank sub-group (intra-node) instead of the
+# whole shard group. In the graph: right after the forward gather's wait, the kept rows
+# are a copy of `gathered.view(k / m, m, S)[:, mine]` (its sub-axes are the shard axes'
+# inner ones: row j = outer * m + sub); the backward re-gather all-gathers them over the
+# sub-group, (m, k / m, S), and transposes them to the shard group's row order before
+# the copied unpack reads them. The same bytes as eager's re-gather, over the same group.
+
+
+def _node(graph, target, args, kwargs=None, backward: bool = False):
+    """A new node with its fake value (the passes after this one read `meta["val"]`)."""
+    node = graph.call_function(target, args, kwargs or {})
+    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    node.meta["val"] = target(*vals, **(kwargs or {}))
+    if backward:
+        node.meta["autograd_backward"] = True
+    return node
+
+
+def _hpz_regather(wait, anchor, hpz: Hpz) -> tuple[dict, list]:
+    """[Note: hpZ in the graph] The kept rows after the forward `wait`, and their re-gather
+    over the sub-group before `anchor`: ({wait: the re-gathered buffer}, the issue nodes)."""
+    graph, aten = wait.graph, torch.ops.aten
+    n = wait.meta["val"].numel()
+    rows, size = hpz.k // hpz.m, n // hpz.k
+    with graph.inserting_after(wait):
+        grid = _node(graph, aten.view.default, (wait, [rows, hpz.m, size]))
+    with graph.inserting_after(grid):
+        mine = _node(graph, aten.select.int, (grid, 1, hpz.mine))
+    with graph.inserting_after(mine):
+        kept = _node(graph, aten.clone.default, (mine,), {"memory_format": torch.contiguous_format})
+    with graph.inserting_before(anchor):
+        flat = _node(graph, aten.view.default, (kept, [rows * size]), backward=True)
+        gather = _node(graph, _C.all_gather_into_tensor.default, (flat, hpz.m, hpz.name), backward=True)
+        got = _node(graph, _C.wait_tensor.default, (gather,), backward=True)
+        blocks = _node(graph, aten.view.default, (got, [hpz.m, rows, size]), backward=True)
+        ordered = _node(graph, aten.permute.default, (blocks, [1, 0, 2]), backward=True)
+        copy = _node(graph, aten.clone.default, (ordered,), {"memory_format": torch.contiguous_format}, backward=True)
+        full = _node(graph, aten.view.default, (copy, [n]), backward=True)
+    return {wait: full}, [flat, gather]
+
+
+def schedule_units(graph: torch.fx.Graph, reshard: tuple[bool, ...], record: TrafficRecord, prefetch: int = 1,
+                   hpz: Hpz | None = None) -> None:
     """[Note: the schedule is a graph pass] `reshard[i]`: re-gather the i-th unit issued
     in the backward; `prefetch`: issue each unit's all-gather this many units early
-    ([Note: overlap in the graph])."""
+    ([Note: overlap in the graph]); `hpz`: re-gather over that sub-group ([Note: hpZ in
+    the graph])."""
     gathers = [n for n in graph.nodes if n.target is _C.all_gather_into_tensor.default and not _is_backward(n)]
     record.graphs += 1
     record.rescheduled = len(gathers) == len(reshard) and all(_wait_of(g) is not None for g in gathers)
@@ -214,13 +272,18 @@ def schedule_units(graph: torch.fx.Graph, reshard: tuple[bool, ...], record: Tra
             if i == keep:  # its forward buffer serves its backward; the next re-gather is prefetched under it
                 backward.append(([], anchor))
                 continue
-            env: dict = {}
-            _copy_before(anchor, group, env)
+            if hpz is None:
+                env: dict = {}
+                _copy_before(anchor, group, env)
+                again_issue = [env[n] for n in issue]
+            else:
+                env, again_issue = _hpz_regather(wait, anchor, hpz)
+                _copy_before(anchor, derived, env)
             for user in set(late):
                 for old, new in env.items():
                     if old in user.all_input_nodes:
                         user.replace_input_with(old, new)
-            backward.append(([env[n] for n in issue], anchor))
+            backward.append((again_issue, anchor))
             record.backward_gathers += 1
         if prefetch:
             order = {n: i for i, n in enumerate(graph.nodes)}
@@ -378,16 +441,17 @@ class SchedulePass:
     """The pass as inductor's `post_grad_custom_pre_pass` (a `CustomGraphPass`: its uuid
     keys inductor's cache by the unit flags)."""
 
-    def __new__(cls, reshard, record, prefetch: int = 1):
+    def __new__(cls, reshard, record, prefetch: int = 1, hpz: Hpz | None = None):
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
         class _Pass(CustomGraphPass):
             def __call__(self, graph):
-                schedule_units(graph, reshard, record, prefetch)
+                schedule_units(graph, reshard, record, prefetch, hpz)
 
             def uuid(self):
                 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0  # exchange_pairs
-                return hashlib.sha256(repr(("shardfn-traced-schedule-4", reshard, prefetch, rank)).encode()).digest()
+                key = ("shardfn-traced-schedule-5", reshard, prefetch, rank, hpz)
+                return hashlib.sha256(repr(key).encode()).digest()
 
         return _Pass()
 

@@ -55,7 +55,7 @@ from ..optim.base import apply_updates
 from .checks import check_traceable
 from .._fsdp.gather import segments
 from .collectives import GatherFlat, Wires, all_reduce_max, all_reduce_sum
-from .schedule import SchedulePass, TrafficRecord, pin_pass, schedule_units
+from .schedule import Hpz, SchedulePass, TrafficRecord, pin_pass, schedule_units
 from .trees import fill, leaves_of, list_state, skeleton
 
 __all__ = ["jit", "TracedStep"]
@@ -186,9 +186,9 @@ class TracedStep:
             fill(tree, [None] * len(_tree.flatten(tree)[0]))
         body = functools.partial(_train, _Static.of(self.step, self.inplace), self.step.loss_fn, self.opt, plan,
                                  *trees)
-        flags, prefetch = self._reshard_flags(plan), self.step.config.prefetch
+        flags, prefetch, hpz = self._reshard_flags(plan), self.step.config.prefetch, _hpz(self.step)
         if self.backend == "inductor":
-            options = dict(self.options, post_grad_custom_pre_pass=SchedulePass(flags, self.record, prefetch),
+            options = dict(self.options, post_grad_custom_pre_pass=SchedulePass(flags, self.record, prefetch, hpz),
                            post_grad_custom_post_pass=pin_pass(self.record))
             options.setdefault("fx_graph_cache", False)  # the pass must run: it counts the traffic
             # inductor's locality pass sinks each weight gradient's mm to its unit's gradient pack,
@@ -198,7 +198,7 @@ class TracedStep:
         from torch._dynamo.backends.common import aot_autograd
 
         def compiler(gm, example_inputs):
-            schedule_units(gm.graph, flags, self.record, prefetch)
+            schedule_units(gm.graph, flags, self.record, prefetch, hpz)
             gm.recompile()
             return gm
 
@@ -242,6 +242,16 @@ def _raise_if_nonfinite(step, plan, local: torch.Tensor, reduced: torch.Tensor) 
     bad = [i for i, flag in enumerate(reduced.tolist()) if flag]
     if bad:
         api.raise_nonfinite(step, finite_checks(plan)[bad[0]], local[bad[0]:bad[0] + 1])
+
+
+def _hpz(step) -> Hpz | None:
+    """The backward re-gather's sub-group, with `reshard_after_forward=<inner shard axes>`
+    ([Note: hpZ in the graph] in schedule.py)."""
+    cfg = step.config
+    if not cfg.reshard_axes:
+        return None
+    sub = step.mesh.group(cfg.reshard_axes)
+    return Hpz(step.mesh.axis_size(cfg.shard_axes), sub.size, sub.index, sub.pg.group_name)
 
 
 def _batch_size(batch) -> int:

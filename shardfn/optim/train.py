@@ -9,6 +9,7 @@ import torch
 
 from .._compile import not_traced
 from .._autodiff import eager_grad_and_value
+from .._errors import SpecError
 from .base import GradientTransformation, apply_updates
 
 
@@ -16,7 +17,7 @@ def train_step(
     step: Callable[..., torch.Tensor],
     opt: GradientTransformation,
     *,
-    has_aux: bool = False,
+    has_aux: bool | None = None,
     inplace: bool = False,
     use_func: bool = False,
 ) -> Callable[[Any, Any, Any], tuple]:
@@ -37,7 +38,10 @@ def train_step(
             ``sf.shard(...)`` (then call ``train`` on every rank, e.g. in ``mesh.run``).
         opt: the optimizer; build it with ``inplace=True`` to update its state in place.
         has_aux: ``step`` returns ``(loss, aux)``; ``train`` then returns
-            ``(shards, opt_state, loss, aux)``.
+            ``(shards, opt_state, loss, aux)``. One rule for ``sf.train_step`` and
+            ``sf.jit``: an ``sf.shard`` step says it itself (``sf.shard(...,
+            has_aux=True)``), so leave this out (None) for one; a value that contradicts the
+            step is a ``SpecError``. For a plain function, None means False.
         inplace: add the updates into the ``shards`` tensors instead of returning new ones.
         use_func: take the gradient with ``torch.func.grad_and_value``.
 
@@ -59,6 +63,8 @@ def train_step(
         >>> params["w"]
         tensor([1., 2.])
     """
+    _check_placed(step, opt)
+    has_aux = _has_aux(step, has_aux)
     if use_func:
         grad_and_value = torch.func.grad_and_value(step, has_aux=has_aux)
     elif hasattr(step, "grad_and_value"):  # an sf.shard step: overlapped gradient reductions
@@ -78,6 +84,44 @@ def train_step(
         return shards, opt_state, value.detach()
 
     return train
+
+
+def _has_aux(step, has_aux: bool | None) -> bool:
+    """One has_aux rule ([Note: one has_aux rule]): an sf.shard step's own (its config),
+    which sf.jit reads too; train_step's argument only for a plain function."""
+    own = getattr(getattr(step, "config", None), "has_aux", None)
+    if own is None:
+        return bool(has_aux)
+    if has_aux is not None and bool(has_aux) != own:
+        raise SpecError(
+            f"train_step(has_aux={has_aux}): this step was built with sf.shard(..., has_aux={own}), so it returns "
+            f"{'(loss, aux)' if own else 'the loss alone'}.\nFix: leave train_step's has_aux out: an sf.shard "
+            f"step's own has_aux is used (by sf.train_step and sf.jit alike)."
+        )
+    return own
+
+
+# [Note: one has_aux rule]
+# Whether a loss returns (loss, aux) is said once, where the loss function meets the
+# mesh: `sf.shard(loss_fn, mesh, has_aux=True)`. `sf.train_step(step, opt)` and
+# `sf.jit(step, opt)` both read it from the step (train and the traced step then return
+# `(shards, opt_state, loss, aux)`); `train_step`'s own `has_aux` is for plain functions,
+# and given for a shard step it must agree.
+
+
+def _check_placed(step, opt: GradientTransformation) -> None:
+    """A whole-matrix transform without a mesh on a sharded step would run on each rank's
+    slice of every matrix: refuse it, naming the fix ([Note: the owner rule] in _owner.py)."""
+    unplaced = getattr(opt.update, "unplaced", ())
+    mesh = getattr(step, "mesh", None)
+    if unplaced and hasattr(type(step), "specs") and getattr(mesh, "size", 1) > 1:  # a shard step
+        names = ", ".join(dict.fromkeys(unplaced))
+        raise SpecError(
+            f"train_step: {names} needs whole matrices, but this step's params are sharded over the mesh "
+            f"{dict(mesh.shape)} and {names} was built without `mesh`, so it would orthogonalize / factor each "
+            f"rank's slice of every matrix (a silently different update).\nFix: build it with the step's layout, "
+            f"e.g. optim.muon(lr, mesh=mesh, specs=step.specs) (docs/optimizers-sharded.md)."
+        )
 
 
 _TRAIN_EAGER = (

@@ -113,10 +113,21 @@ def test_the_docs_page_is_the_table():
 def test_a_refusal_names_every_refused_option_the_reasons_and_the_fix():
     error = support.refusal("jit", ["hpz", "tp", "check_finite", "prefetch"])
     message = str(error)
-    assert message.startswith("sf.jit(step, opt) does not support these options of the step:\n")
-    assert "  - reshard_after_forward=<inner shard axes> (hpZ): the backward re-gather" in message
-    assert "  - param_specs=... (FSDP x TP): the tensor-parallel reductions" in message
-    assert "prefetch=2" not in message and "check_finite" not in message  # supported
+    assert message.startswith("sf.jit(step, opt) does not support param_specs=... (FSDP x TP): the "
+                              "tensor-parallel reductions are not written in the traced step.\n"), message
+    assert "hpZ" not in message and "prefetch=2" not in message and "check_finite" not in message  # supported
+    monkey = dict(support.REFUSED)
+    try:  # several refused options: one line each
+        support.REFUSED[("jit", "hpz")] = support.Refusal("a planted reason", "a planted fix")
+        message = str(support.refusal("jit", ["hpz", "tp"]))
+        assert "Fix: drop the option, or a planted fix; or train eagerly with sf.train_step" in message
+        assert message.startswith("sf.jit(step, opt) does not support these options of the step:\n")
+        assert "  - reshard_after_forward=<inner shard axes> (hpZ): a planted reason" in message
+        assert "  - param_specs=... (FSDP x TP): the tensor-parallel reductions" in message
+    finally:
+        support.REFUSED.clear()
+        support.REFUSED.update(monkey)
+    message = str(support.refusal("jit", ["tp"]))
     assert "Fix: drop the option, or train eagerly with sf.train_step(step, opt)" in message
     assert support.refusal("jit", ["prefetch", "none"]) is None
 
