@@ -241,6 +241,22 @@ def test_finetune_hf_tiny_loads_trains_exports_and_reloads(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("flags", [pytest.param(("--cp", "ring"), marks=pytest.mark.ci), ("--cp", "ulysses"),
+                                   ("--pp", "2")])
+def test_finetune_hf_context_parallel_and_pipeline(tmp_path, flags):
+    """--cp ring / ulysses ({'data': 2, 'seq': 2}) and --pp 2 ({'stage': 2, 'data': 2}): the
+    same transformers Llama fine-tunes (the same losses: the same global batches), and the
+    export reloads with from_pretrained to the sharded model's loss."""
+    out = finetune_hf(tmp_path, "--steps", "3", "--ranks", "4", *flags)
+    shape = "{'data': 2, 'seq': 2}" if flags[0] == "--cp" else "{'stage': 2, 'data': 2}"
+    assert f"Mesh({shape}" in out
+    assert number_after("max |loss diff| (from_pretrained vs sharded):", out) <= 1e-5
+    first, last = loss_line(out)
+    assert 4.0 < first < 5.0 and last < first
+    assert out.rstrip().endswith("OK")
+
+
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_finetune_hf_torchrun_matches_simulated_and_model_dir(tmp_path):
     """The same losses under torchrun (2 processes); then fine-tuning the export again (--model-dir)."""

@@ -31,9 +31,10 @@ the loss pairs every local position with its shifted label: the last token of bl
 scored against the first token of block i + 1. Tokens labelled -100 (the last position,
 padding) count for nothing, so ranks hold different numbers of scored tokens;
 `shard_sequence` therefore also gives each token its weight in the global token mean,
-scaled by the number of ranks (`loss_weight`), and `sf.shard`'s mean over
-`data_axes=(batch_axes..., seq_axis)` is then exactly the global token mean one device
-computes, in the model's dtype (fp64 stays fp64; transformers' own loss casts to fp32).
+scaled by the number of ranks (`loss_weight / num_items`, two integer tensors), and
+`sf.shard`'s mean over `data_axes=(batch_axes..., seq_axis)` is then exactly the global
+token mean one device computes, in the model's dtype (fp64 stays fp64; transformers' own
+loss casts to fp32).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from .. import nn as _sfnn
 from .._errors import ShardingError
 
-__all__ = ["ATTENTIONS", "register_attention", "shard_sequence", "causal_lm_loss"]
+__all__ = ["ATTENTIONS", "register_attention", "shard_sequence", "causal_lm_loss", "token_weights"]
 
 ATTENTIONS = {"shardfn_ring": "ring_attention", "shardfn_ulysses": "ulysses_attention"}
 IGNORE = -100  # transformers' ignore_index
@@ -149,9 +150,11 @@ def shard_sequence(batch: Mapping, mesh=None, *, seq_axis: str = "seq", batch_ax
     - `position_ids`: their global positions (rotary embeddings see the whole sequence);
     - `shift_labels`: the labels shifted by one *before* the split ([Note: shifted labels
       across the split]): each block's last token is scored against the next block's first;
-    - `loss_weight`: each token's weight in the global token mean, times the number of
-      ranks, so that `sf.shard`'s mean over `data_axes=(*batch_axes, seq_axis)` of
-      `causal_lm_loss` is the mean over every scored token of the global batch.
+    - `loss_weight` (int: the number of ranks where the token is scored, else 0) and
+      `num_items` (int: the scored tokens of the global batch, on every token): a token's
+      weight in the rank's loss is their ratio, so that `sf.shard`'s mean over
+      `data_axes=(*batch_axes, seq_axis)` of `causal_lm_loss` is the mean over every
+      scored token of the global batch.
 
     With `layout="zigzag"` every tensor is first put through `sf.nn.zigzag` (rank i holds
     chunks i and 2N-1-i of 2N: balanced causal work for ring attention). With `mesh=None`
@@ -210,9 +213,9 @@ def shard_sequence(batch: Mapping, mesh=None, *, seq_axis: str = "seq", batch_ax
                                   IGNORE)
     scored = shift != IGNORE
     ranks = 1 if mesh is None else math.prod(mesh.shape[a] for a in axes + (seq_axis,))
-    weight = scored.to(torch.float64) * (ranks / max(int(scored.sum()), 1))
     out = {"input_ids": ids, "position_ids": torch.arange(T, device=ids.device).expand(B, T),
-           "shift_labels": shift, "loss_weight": weight}
+           "shift_labels": shift, "loss_weight": scored.to(torch.int64) * ranks,
+           "num_items": torch.full((B, T), max(int(scored.sum()), 1), dtype=torch.int64, device=ids.device)}
     if "attention_mask" in batch:
         out["attention_mask"] = batch["attention_mask"]
     if mesh is None:
@@ -227,12 +230,19 @@ def shard_sequence(batch: Mapping, mesh=None, *, seq_axis: str = "seq", batch_ax
     return {k: scatter(x.contiguous(), mesh, spec) for k, x in out.items()}
 
 
+def token_weights(batch: Mapping, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's weight in its rank's loss, flattened: `loss_weight / num_items` in `dtype`
+    ([Note: shifted labels across the split]). Kept as two integer tensors in the batch, so
+    the batch holds no float leaf that `sf.shard` would ask to match the parameters' dtype."""
+    return batch["loss_weight"].flatten().to(dtype) / batch["num_items"].flatten().to(dtype)
+
+
 def causal_lm_loss(apply_fn, *, seq_axis: str | None = "seq", layout: str = "contiguous", **model_kwargs):
     """A loss function `loss(params, batch)` for a transformers causal LM, sequence-split or not.
 
     Calls `apply_fn(params, input_ids=..., position_ids=..., attention_mask=...,
     use_cache=False, seq_axis=..., seq_layout=...)` on this rank's block (`shard_sequence`)
-    and returns `sum(cross_entropy(logits, shift_labels) * loss_weight)`: this rank's
+    and returns `sum(cross_entropy(logits, shift_labels) * loss_weight / num_items)`: this rank's
     share of the global token mean, computed in the logits' dtype ([Note: shifted labels
     across the split]). Put it in `sf.shard(loss, mesh, data_axes=(*batch_axes, seq_axis))`
     with a model whose attention is `"shardfn_ring"` / `"shardfn_ulysses"`; with
@@ -260,7 +270,7 @@ def causal_lm_loss(apply_fn, *, seq_axis: str | None = "seq", layout: str = "con
         logits = apply_fn(params, **inputs, use_cache=False, **cp, **model_kwargs).logits  # (B, T_local, vocab)
         nll = F.cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten(), ignore_index=IGNORE,
                               reduction="none")
-        return (nll * batch["loss_weight"].flatten().to(nll.dtype)).sum()
+        return (nll * token_weights(batch, nll.dtype)).sum()
 
     loss.__name__ = "causal_lm_loss"
     return loss

@@ -22,7 +22,7 @@ The parameters are the `sf.functional(model)` tree regrouped: `split(params)` gi
 on one device.
 
 The loss is the pipeline's mean over microbatches of each microbatch's share of the batch's
-token mean (`loss_weight` of `shard_sequence(batch, None)`, times M): exactly the token mean
+token mean (`loss_weight / num_items` of `shard_sequence(batch, None)`, times M): exactly the token mean
 of the whole batch, labels -100 included.
 """
 
@@ -37,7 +37,7 @@ from .._errors import ShardingError
 from .._params_view import ParamsView, materialize
 from .._pipeline import pipeline as _pipeline
 from .._pipeline import stack_layers, unstack_layers
-from .attention import IGNORE, shard_sequence
+from .attention import IGNORE, shard_sequence, token_weights
 
 __all__ = ["pipeline_stages", "PipelineStages"]
 
@@ -110,7 +110,7 @@ class PipelineStages:
             logits = F.linear(h, w["lm_head"]["weight"], w["lm_head"].get("bias"))  # (b, T, vocab)
             nll = F.cross_entropy(logits.flatten(0, 1), mb["shift_labels"].flatten(), ignore_index=IGNORE,
                                   reduction="none")
-            return (nll * mb["loss_weight"].flatten().to(nll.dtype)).sum() * microbatches
+            return (nll * token_weights(mb, nll.dtype)).sum() * microbatches
 
         self.pipe = _pipeline(_remat(layer) if remat else layer, pre=embed, post=head_loss,
                               microbatches=microbatches, schedule=schedule, mesh_axis=mesh_axis,

@@ -149,7 +149,8 @@ def test_shifted_labels_cross_the_split():
     assert got[0]["shift_labels"].tolist() == [[11, 12, 13, 14]]  # 13's label is rank 1's first token
     assert got[1]["shift_labels"].tolist() == [[15, 16, 17, -100]]
     assert got[1]["position_ids"].tolist() == [[4, 5, 6, 7]]
-    assert [g["loss_weight"].sum().item() for g in got] == pytest.approx([8 / 7, 6 / 7])  # ranks x share of 7
+    assert [g["loss_weight"].tolist() for g in got] == [[[2, 2, 2, 2]], [[2, 2, 2, 0]]]  # ranks, where scored
+    assert [g["num_items"].tolist() for g in got] == [[[7] * 4]] * 2  # 7 scored tokens in all
     zig = mesh.run(lambda: sf.hf.shard_sequence({"input_ids": ids}, mesh, batch_axes=(), layout="zigzag"))
     assert zig[0]["input_ids"].tolist() == [[10, 11, 16, 17]]
     assert zig[0]["position_ids"].tolist() == [[0, 1, 6, 7]]
