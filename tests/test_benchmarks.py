@@ -244,3 +244,21 @@ def test_quantized_convergence_tiny(tmp_path):
     assert all(len(r["losses"]) == 3 for r in results.values())
     saved = json.loads((tmp_path / "qc.json").read_text())
     assert saved["results"]["int8 reduce-scatter"]["final_loss"] == results["int8 reduce-scatter"]["final_loss"]
+
+
+@pytest.mark.slow
+def test_diloco_vs_hsdp_tiny(tmp_path):
+    """The DiLoCo / LocalSGD / HSDP comparison at 8 steps of the example's TINY GPT: the bytes
+    across replicas per step are 1/4 of HSDP's (sync_every=4), and the runs are written."""
+    from benchmarks import diloco_vs_hsdp
+
+    results = diloco_vs_hsdp.main(["--tiny", "--steps", "8", "--out", str(tmp_path / "dvh"),
+                                   "--img", str(tmp_path / "dvh.png")])
+    assert list(results) == ["hsdp", "diloco H=4", "local_sgd H=4"]
+    hsdp = results["hsdp"]["replica_bytes_per_step"]
+    assert hsdp > 0
+    assert results["diloco H=4"]["replica_bytes_per_step"] * 4 == hsdp
+    assert results["local_sgd H=4"]["replica_bytes_per_step"] * 4 == hsdp
+    assert all(len(r["losses"]) == 8 for r in results.values())
+    saved = json.loads((tmp_path / "dvh.json").read_text())
+    assert saved["results"]["diloco H=4"]["final_loss"] == results["diloco H=4"]["final_loss"]
