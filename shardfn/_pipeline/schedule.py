@@ -16,8 +16,9 @@ bubble the executor's lock-step run reproduces exactly.
 The four built-in schedules come from one greedy list scheduler that differs only in its
 policy (which ready action a free rank picks, and how many microbatches it may hold):
 GPipe (all forwards first), 1F1B (at most `stages - rank` microbatches in flight, a ready
-backward first), interleaved 1F1B (Megatron's order over virtual stages and its warm-up
-depth) and ZB-H1 (1F1B's memory bound, backward split into B and W, W deferred into the
+backward first), interleaved 1F1B (Megatron's warm-up depth and priorities over virtual
+stages; when `M` is a multiple of `p`, Megatron-LM's exact order instead, whose bubble is
+the textbook (p-1)/(M*V+p-1)) and ZB-H1 (1F1B's memory bound, backward split into B and W, W deferred into the
 slots where the rank would otherwise wait).
 """
 
@@ -220,6 +221,28 @@ def _timeline(s: Schedule) -> list[list[Slot]]:
 # -- the built-in schedules: one greedy list scheduler, four policies -----------------------
 
 
+def _megatron_interleaved(p: int, M: int, V: int, r: int) -> list[Action]:
+    """Rank `r`'s order in Megatron-LM's interleaved 1F1B (`forward_backward_pipelining_with_
+    interleaving`, microbatch group size = p): the k-th forward runs entry k of the table
+    (microbatches in groups of p, each group through chunk 0, then 1, ...), the k-th backward
+    the same entry with the chunks reversed; (p - r - 1) * 2 + (V - 1) * p warm-up forwards,
+    then one forward and one backward in turn, then the remaining backwards."""
+    table = [(mb, v) for g in range(0, M, p) for v in range(V) for mb in range(g, min(g + p, M))]
+    total = M * V
+    warmup = min((p - r - 1) * 2 + (V - 1) * p, total)
+
+    def f(k: int) -> Action:
+        return Action("F", table[k][0], table[k][1] * p + r)
+
+    def b(k: int) -> Action:
+        return Action("B", table[k][0], (V - 1 - table[k][1]) * p + r)
+
+    order = [f(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [f(warmup + k), b(k)]
+    return order + [b(k) for k in range(total - warmup, total)]
+
+
 def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """A built-in schedule: "gpipe", "1f1b", "interleaved" (needs virtual_stages >= 2
     to differ from 1F1B) or "zb-h1".
@@ -242,6 +265,8 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int
     split = key == "zb-h1"
     p, M, V = stages, microbatches, virtual_stages
     C = p * V
+    if key == "interleaved" and V > 1 and M % p == 0:
+        return Schedule(key, p, M, [_megatron_interleaved(p, M, V, r) for r in range(p)], virtual_stages=V)
 
     def limit(r: int) -> int:  # microbatch-chunks a rank may hold
         if key == "gpipe":

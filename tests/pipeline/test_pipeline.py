@@ -177,6 +177,98 @@ def test_bubbles_from_the_schedules_match_theory_and_zb_h1_beats_1f1b():
     assert s["zb-h1"].peak_in_flight() == [4, 4, 4, 4]  # ZB-H1: 1F1B's peak (p) on every rank
 
 
+def _megatron_interleaved_order(p, M, V, rank):
+    """Megatron-LM's `forward_backward_pipelining_with_interleaving`, transcribed for one rank
+    (M a multiple of p): its k-th forward / backward runs chunk `get_model_chunk_id(k)` of
+    microbatch `get_microbatch_id_in_model_chunk(k)`; warm-up (p - rank - 1) * 2 + (V - 1) * p
+    forwards, then (forward k + warm-up, backward k) pairs, then the cool-down backwards."""
+    total = M * V
+    warmup = min((p - rank - 1) * 2 + (V - 1) * p, total)
+
+    def chunk_id(k, forward):
+        v = (k % (p * V)) // p
+        return v if forward else V - v - 1
+
+    def microbatch(k):
+        return (k // (p * V)) * p + k % p
+
+    def act(kind, k):  # model chunk v of this rank is the global chunk v * p + rank
+        return sf.PipelineAction(kind, microbatch(k), chunk_id(k, kind == "F") * p + rank)
+
+    order = [act("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [act("F", warmup + k), act("B", k)]
+    return order + [act("B", k) for k in range(total - warmup, total)]
+
+
+def _textbook_order(name, p, M, rank):
+    """GPipe: every forward, then every backward; 1F1B (PipeDream-Flush, Megatron's
+    non-interleaved schedule): p - rank - 1 warm-up forwards, 1F1B pairs, cool-down."""
+    F = [sf.PipelineAction("F", mb, rank) for mb in range(M)]
+    B = [sf.PipelineAction("B", mb, rank) for mb in range(M)]
+    if name == "gpipe":
+        return F + B
+    warmup = min(p - rank - 1, M)
+    order = F[:warmup]
+    for k in range(M - warmup):
+        order += [F[warmup + k], B[k]]
+    return order + B[M - warmup:]
+
+
+@pytest.mark.parametrize("p,M", [(2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 12)])
+def test_interleaved_order_is_megatrons_and_its_bubble_the_formula(p, M):
+    s = sf.pipeline_schedule("interleaved", p, M, 2)
+    assert [list(acts) for acts in s.actions] == [_megatron_interleaved_order(p, M, 2, r) for r in range(p)]
+    assert s.bubble() == pytest.approx([(p - 1) / (2 * M + p - 1)] * p, abs=1e-12)
+    assert s.total_slots == 3 * 2 * M + 3 * (p - 1)  # every rank: M*V forwards + M*V double backwards + fill/drain
+    assert s.peak_in_flight() == [min(2 * M, (p - r - 1) * 2 + p + 1) for r in range(p)]
+
+
+def test_interleaved_order_spelled_out_for_two_stages():
+    """p = 2, M = 4, V = 2, read off Megatron's loop by hand (chunk 2 / 3 = rank 0 / 1's second chunk)."""
+    s = sf.pipeline_schedule("interleaved", 2, 4, 2)
+    assert [repr(a) for a in s.actions[0]] == "F0 F1 F0.2 F1.2 F2 B0.2 F3 B1.2 F2.2 B0 F3.2 B1 B2.2 B3.2 B2 B3".split()
+    assert [repr(a) for a in s.actions[1]] == \
+        "F0.1 F1.1 F0.3 B0.3 F1.3 B1.3 F2.1 B0.1 F3.1 B1.1 F2.3 B2.3 F3.3 B3.3 B2.1 B3.1".split()
+
+
+@pytest.mark.parametrize("p,M", [(2, 1), (2, 4), (4, 3), (4, 8)])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_gpipe_and_1f1b_orders_are_the_textbook_ones(name, p, M):
+    s = sf.pipeline_schedule(name, p, M)
+    assert [list(acts) for acts in s.actions] == [_textbook_order(name, p, M, r) for r in range(p)]
+
+
+def test_zb_h1_order_is_pinned():
+    """ZB-H1 (Qi et al. 2023): 1F1B's warm-up, B (input gradient) right after its F where it can,
+    each W deferred into a slot where the rank would otherwise wait."""
+    s = sf.pipeline_schedule("zb-h1", 2, 4)
+    assert [repr(a) for a in s.actions[0]] == "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3".split()
+    assert [repr(a) for a in s.actions[1]] == "F0.1 B0.1 F1.1 B1.1 W0.1 F2.1 B2.1 W1.1 F3.1 B3.1 W2.1 W3.1".split()
+    s = sf.pipeline_schedule("zb-h1", 4, 4)
+    assert [" ".join(map(repr, acts)) for acts in s.actions] == [
+        "F0 F1 F2 F3 B0 W0 B1 W1 B2 W2 B3 W3",
+        "F0.1 F1.1 F2.1 B0.1 F3.1 B1.1 W0.1 B2.1 W1.1 B3.1 W2.1 W3.1",
+        "F0.2 F1.2 B0.2 F2.2 B1.2 F3.2 B2.2 W0.2 B3.2 W1.2 W2.2 W3.2",
+        "F0.3 B0.3 F1.3 B1.3 F2.3 B2.3 F3.3 B3.3 W0.3 W1.3 W2.3 W3.3",
+    ]
+
+
+@pytest.mark.parametrize("name,V,p,M,idle,slots", [
+    ("gpipe", 1, 2, 4, 3, 15), ("gpipe", 1, 4, 8, 9, 33),
+    ("1f1b", 1, 2, 4, 3, 15), ("1f1b", 1, 4, 8, 9, 33),
+    ("interleaved", 2, 2, 2, 3, 15), ("interleaved", 2, 2, 4, 3, 27), ("interleaved", 2, 4, 8, 9, 57),
+    ("zb-h1", 1, 2, 4, 1, 13), ("zb-h1", 1, 4, 8, 3, 27),
+])
+def test_exact_bubble_fractions(name, V, p, M, idle, slots):
+    """Idle slots / step slots on every rank, as exact fractions (e.g. interleaved p = 2, M = 2:
+    3/15 = 0.200; one swapped pair of forwards makes it 0.250, which this must catch)."""
+    s = sf.pipeline_schedule(name, p, M, V)
+    assert s.total_slots == slots
+    assert [round(b * slots, 9) for b in s.bubble()] == [idle] * p
+    assert s.bubble() == [pytest.approx(idle / slots, abs=1e-12)] * p
+
+
 def test_the_executor_runs_each_rank_in_schedule_order_and_reproduces_the_bubble():
     p, M = 4, 8
     shared, layers = make_params(p)
