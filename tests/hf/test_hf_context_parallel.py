@@ -73,10 +73,10 @@ def one_device(arch, data, opt):
     return params, losses
 
 
-def cp_training(mesh, model, layout, data, opt):
+def cp_training(mesh, model, layout, data, opt, remat=False):
     """The rank program: the model (built once, outside the rank threads: they share the
     global RNG), FSDP over 'data', the sequence over 'seq'."""
-    apply_fn, params = sf.functional(model)
+    apply_fn, params = sf.functional(model, remat=remat)
     step = sf.shard(sf.hf.causal_lm_loss(apply_fn, layout=layout), mesh, data_axes=("data", "seq"),
                     shard_axes="data")
     shards = step.shard_params(params)
@@ -137,6 +137,16 @@ def test_padded_batches_with_a_key_padding_mask(attn):
     for got, losses in mesh.run(cp_training, mesh, model_of("llama", attn), "zigzag", data, opt):
         assert maxdiff(got, want) <= 1e-9
         assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= 1e-12
+
+
+def test_remat_around_decoder_layers_that_call_ring_attention():
+    """sf.functional(model, remat=True): each decoder layer, its ring attention included, is
+    recomputed in the backward; training is still one device's."""
+    data, opt = batches(2), sf.optim.adamw(1e-2)
+    want, _ = one_device("llama", data, opt)
+    mesh = sf.local_mesh({"data": 2, "seq": 2})
+    for got, _ in mesh.run(cp_training, mesh, model_of("llama", "shardfn_ring"), "zigzag", data, opt, True):
+        assert maxdiff(got, want) <= 1e-9
 
 
 def test_shifted_labels_cross_the_split():
