@@ -13,13 +13,20 @@ axis that does not fit raises ``sf.SpecError`` (a ``ValueError``). Bad hyperpara
 and update / state trees of different structures raise ``ValueError``, as
 ``torch.optim`` does; state or params shaped unlike the gradients (state initialised from
 the full params, updated with a shard's gradients) raise ``sf.SpecError`` naming the leaves. The transforms import only ``_tree``, ``_spec`` and ``_errors``
-(``train_step`` adds ``_autograd``); the mesh given for sharded clipping is used only
-through ``mesh.coords``, ``mesh.shape`` and ``mesh.all_reduce``.
+(``train_step`` adds ``_autograd``); the mesh given for sharded clipping and Adafactor is
+used only through ``mesh.coords``, ``mesh.shape`` and ``mesh.all_reduce``. The
+whole-matrix transforms (``muon``, ``soap``) also take ``mesh.group`` and the backend's
+uneven all-to-all (``_backend.ops.ragged_all_to_all``): each matrix is gathered to one
+owner rank and its update scattered back (``docs/optimizers-sharded.md``). ``shard``
+itself is never imported: the caller gives the layout as ``mesh`` and ``specs``
+(``step.specs``), and ``train_step`` refuses a whole-matrix transform built without them
+on a sharded step.
 
 Pure mode is differentiable by ``torch.func`` (``grad``, ``jacrev``, ``jvp``, ``vmap``) with
 respect to gradients, params, state and hyperparameters given as 0-dim tensors
 ([Note: differentiable pure mode] in ``_flat.py``); ``inject_hyperparams`` keeps the
-hyperparameters in the state.
+hyperparameters in the state. ``muon``, ``adafactor`` and ``soap`` are not (they read
+norms on the host and run collectives); they have no in-place or fused mode.
 """
 
 from ._adafactor import AdafactorState as AdafactorState

@@ -237,4 +237,6 @@ def adafactor(
 
         return tree(new), AdafactorState(count, stat_tree(new_rows), stat_tree(new_cols), stat_tree(new_var))
 
+    if mesh is None:
+        update.unplaced = ("adafactor",)
     return GradientTransformation(init, update)

@@ -25,7 +25,7 @@ import torch
 
 from .. import _tree
 from . import _flat
-from .base import EmptyState, GradientTransformation
+from .base import EmptyState, GradientTransformation, mark_unplaced
 
 Labels = Union[Any, Callable[..., Any]]
 
@@ -141,6 +141,7 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], label
                     out[i] = x
         return _tree.unflatten(treedef, out), MultiTransformState(new_states)
 
+    mark_unplaced(update, [t.update for t in transforms.values()])
     return GradientTransformation(init, update)
 
 
@@ -187,6 +188,7 @@ def masked(inner: GradientTransformation, mask: Labels) -> GradientTransformatio
             out[i] = x
         return _tree.unflatten(treedef, out), MaskedState(inner_state)
 
+    mark_unplaced(update, [inner.update])
     return GradientTransformation(init, update)
 
 

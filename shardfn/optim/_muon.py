@@ -186,6 +186,8 @@ def scale_by_muon(
     update.stats = lambda: stats.get(mesh)
     update.owners = owners_of
     update.plan = plan_of
+    if mesh is None:
+        update.unplaced = ('scale_by_muon',)
     return GradientTransformation(init, update)
 
 

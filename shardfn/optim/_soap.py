@@ -175,6 +175,8 @@ def scale_by_soap(
     update.stats = lambda: stats.get(mesh)
     update.owners = owners_of
     update.plan = plan_of
+    if mesh is None:
+        update.unplaced = ('scale_by_soap',)
     return GradientTransformation(init, update)
 
 

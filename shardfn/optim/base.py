@@ -123,7 +123,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     kernels = [f.fused_kernel for f in updates_fns if getattr(f, "fused_kernel", None)]
     if kernels:  # a link runs torch's fused kernel: sf.jit reads it
         update.fused_kernel = kernels[0]
+    mark_unplaced(update, updates_fns)
     return GradientTransformation(init, update)
+
+
+def mark_unplaced(update: Callable, inner_updates) -> None:
+    """Carry up the names of whole-matrix transforms built without a ``mesh``
+    (``update.unplaced``): ``train_step`` refuses them on a sharded step, where they would
+    run on each rank's slice of a matrix ([Note: the owner rule] in ``_owner.py``)."""
+    names = tuple(n for f in inner_updates for n in getattr(f, "unplaced", ()))
+    if names:
+        update.unplaced = names
 
 
 class AppliedUpdates:

@@ -397,3 +397,18 @@ def test_a_tensor_parallel_matrix_is_orthogonalized_whole():
         want = optree.tree_map(lambda x, s: local_block(x, s, coords, mesh.shape), ref, specs, namespace=NS,
                                none_is_leaf=True)
         assert _rel_err(shards, want) <= 1e-10
+
+
+@pytest.mark.parametrize("make", [lambda: optim.muon(0.02), lambda: optim.adafactor(0.01), lambda: optim.soap(0.01),
+                                  lambda: optim.multi_transform({"m": optim.muon(0.02), "a": optim.adamw(1e-3)},
+                                                                lambda path, p: "m" if p.ndim == 2 else "a")],
+                         ids=["muon", "adafactor", "soap", "recipe"])
+def test_train_step_refuses_a_whole_matrix_transform_without_the_steps_layout(make):
+    """The bug of torch.optim.Muon under fully_shard: each rank's slice orthogonalized. Here a
+    whole-matrix transform built without `mesh` is refused on a sharded step, with the fix."""
+    mesh = sf.local_mesh({"data": 2})
+    step = sf.shard(_mlp_loss, mesh)
+    with pytest.raises(sf.SpecError, match=r"(?s)built without `mesh`.*Fix: .*mesh=mesh, specs=step.specs"):
+        optim.train_step(step, make())
+    optim.train_step(step, optim.muon(0.02, mesh=mesh, specs=sf.P("data")))  # placed: fine
+    optim.train_step(_mlp_loss, make())  # a plain function: whole params, fine
