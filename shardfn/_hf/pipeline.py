@@ -68,7 +68,8 @@ def _decoder(model, where: str):
         windows.add(getattr(config, "sliding_window", None))
     if windows != {None}:
         raise ShardingError(
-            f"{where}: the decoder layers use sliding-window attention (windows of {sorted(w for w in windows if w is not None)} tokens), which needs "
+            f"{where}: the decoder layers use sliding-window attention (windows of "
+            f"{sorted(w for w in windows if w is not None)} tokens), which needs "
             f"a mask tensor the pipeline does not send between stages.\nFix: config.sliding_window=None (or "
             f"use_sliding_window=False), or train without a pipeline (sf.shard).")
     return prefix, base, head
@@ -168,7 +169,8 @@ class PipelineStages:
         if isinstance(params, ParamsView):
             params = materialize(params)
         if self.tied:  # one weight, used by the first stage and the last: gradients add up
-            params = dict(params, post=dict(params["post"], lm_head={"weight": params["pre"]["embed_tokens"]["weight"]}))
+            head = {"weight": params["pre"]["embed_tokens"]["weight"]}
+            params = dict(params, post=dict(params["post"], lm_head=head))
         return self.pipe(params, shard_sequence(batch, None))
 
     __call__ = loss
