@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_gpt's da
 import shardfn as sf  # noqa: E402
 import shardfn.optim as optim  # noqa: E402
 from shardfn.testing.models import GPT  # noqa: E402
-from train_gpt import OUT_DIR, TINY, VOCAB, Config, get_batch, gpt_config, init_params, load_text  # noqa: E402
+from train_gpt import OUT_DIR, TINY, Config, get_batch, gpt_config, init_params, load_text  # noqa: E402
 
 
 @dataclasses.dataclass

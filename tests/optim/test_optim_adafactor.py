@@ -10,7 +10,7 @@ import torch
 import shardfn as sf
 import shardfn.optim as optim
 from matrix_cases import blocks, grads_of, mlp, mlp_batches, mlp_loss, rel_err, tree_of
-from optim_testutil import NS, clone_tree, leaves
+from optim_testutil import NS, clone_tree
 from shardfn._backend import ops
 
 SHAPES = {"a": (8, 5), "b": (3, 7), "c": (6,), "d": (1, 4), "e": (2, 3, 4), "s": ()}
@@ -116,15 +116,18 @@ def test_adafactor_with_hsdp_and_a_tensor_parallel_split_of_the_last_dim():
         assert rel_err(shards, want) <= 1e-12
 
 
+FROZEN = ("layers", 1, "w")
+
+
 @pytest.mark.slow
 @pytest.mark.ci
-def test_adafactor_under_sf_shard_with_accumulation_equals_torch():
+def test_adafactor_under_sf_shard_with_accumulation_and_a_frozen_leaf_equals_torch():
     n = 4
     params = mlp()
     batches = mlp_batches(n)
     paths, ps, treedef = optree.tree_flatten_with_path(params, namespace=NS)
     ts = [p.clone().requires_grad_() for p in ps]
-    topt = torch.optim.Adafactor(ts, lr=0.02, weight_decay=0.01)
+    topt = torch.optim.Adafactor([t for path, t in zip(paths, ts) if path != FROZEN], lr=0.02, weight_decay=0.01)
     for batch in batches:
         grads = torch.autograd.grad(mlp_loss(optree.tree_unflatten(treedef, ts), batch), ts)
         for t, g in zip(ts, grads):
@@ -132,11 +135,13 @@ def test_adafactor_under_sf_shard_with_accumulation_equals_torch():
         topt.step()
     ref = optree.tree_unflatten(treedef, [t.detach() for t in ts])
     mesh = sf.local_mesh({"data": n})
-    step = sf.shard(mlp_loss, mesh)
+    step = sf.shard(mlp_loss, mesh, frozen=lambda path: path == FROZEN)
 
     def rank_fn():
         shards = step.shard_params(clone_tree(params))
-        opt = optim.adafactor(0.02, weight_decay=0.01, mesh=mesh, specs=step.specs)
+        opt = optim.multi_transform({"fact": optim.adafactor(0.02, weight_decay=0.01, mesh=mesh, specs=step.specs),
+                                     "frozen": optim.set_to_zero()},
+                                    lambda path: "frozen" if path == FROZEN else "fact")
         state = opt.init(shards)
         r = mesh.coords["data"]
         for x, y in batches:
@@ -147,6 +152,7 @@ def test_adafactor_under_sf_shard_with_accumulation_equals_torch():
         return step.unshard_params(shards)
 
     for full in mesh.run(rank_fn):
+        assert torch.equal(full["layers"][1]["w"], params["layers"][1]["w"])
         assert rel_err(full, ref) <= 1e-10
 
 

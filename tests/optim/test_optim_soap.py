@@ -12,7 +12,7 @@ import torch
 import shardfn as sf
 import shardfn.optim as optim
 from matrix_cases import blocks, grads_of, rel_err, tree_of
-from optim_testutil import clone_tree, leaves
+from optim_testutil import clone_tree
 from shardfn._backend import ops
 from shardfn._spec import chunk_bounds
 
