@@ -29,6 +29,7 @@ import faulthandler
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -80,7 +81,8 @@ def record(group, op: str, what: str, seq: int) -> list:
     rank = backend.rank()
     r = ring(backend, rank)
     n = r[-1][N] + 1 if r else 1
-    entry = [n, seq, op, what, group.axes, group.ranks, context.step, context.unit, time.time(), None, None]
+    entry = [n, seq, op, sys.intern(what), group.axes, group.ranks, context.step, context.unit, time.time(), None,
+             None]  # interned: a step's descriptions repeat every step
     r.append(entry)
     if on_issue:
         for hook in list(on_issue):
