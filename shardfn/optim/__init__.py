@@ -31,6 +31,7 @@ norms on the host and run collectives); they have no in-place or fused mode.
 
 from ._adafactor import AdafactorState as AdafactorState
 from ._adafactor import adafactor as adafactor
+from ._adafactor import adafactor_state_specs as adafactor_state_specs
 from ._adam import ScaleByAdamState as ScaleByAdamState
 from ._adam import scale_by_adam as scale_by_adam
 from ._alias import adam as adam
@@ -92,6 +93,7 @@ __all__ = [
     "ScaleBySoapState",
     "TraceState",
     "adafactor",
+    "adafactor_state_specs",
     "adam",
     "adamw",
     "add_decayed_weights",

@@ -240,3 +240,46 @@ def adafactor(
     if mesh is None:
         update.unplaced = ("adafactor",)
     return GradientTransformation(init, update)
+
+
+def adafactor_state_specs(state: AdafactorState, params_specs: Any, params: Any) -> AdafactorState:
+    """The spec tree of an ``adafactor`` state built from blocks, for ``sf.checkpoint``.
+
+    ``R`` (the row factor) is split like its leaf except along the last dim, ``C`` (the
+    column factor) like its leaf except along dim -2 (so for dim-0 blocks of a matrix,
+    ``C`` is replicated), the unfactored ``variance`` like its leaf.
+
+    Args:
+        state: ``adafactor(...).init(shards)`` (or a later state).
+        params_specs: the params' spec tree (a pytree prefix, e.g. ``step.specs``).
+        params: the shards (their structure and ranks).
+
+    Returns:
+        An ``AdafactorState`` of specs to give ``sf.checkpoint.save`` / ``load`` with ``state``.
+
+    Example:
+        >>> import torch, shardfn as sf, shardfn.optim as optim
+        >>> params = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+        >>> state = optim.adafactor().init(params)
+        >>> optim.adafactor_state_specs(state, sf.P("data"), params).col_var
+        {'w': P(None, None), 'b': None}
+    """
+    from .._spec import PartitionSpec, as_spec, is_spec
+
+    paths, leaves, treedef = _tree.flatten_with_paths(params)
+    per_leaf = _tree.broadcast_prefix(params_specs, params, what="params_specs", is_prefix_leaf=is_spec)
+    rows, cols, var = [], [], []
+    for x, s in zip(leaves, per_leaf):
+        s = as_spec(s, "adafactor_state_specs: params_specs")
+        full = tuple(s) + (None,) * (x.dim() - len(s))
+        if x.dim() > 1:
+            rows.append(PartitionSpec(*full[:-1], None))
+            cols.append(PartitionSpec(*full[:-2], None, full[-1]))
+            var.append(None)
+        else:
+            rows.append(None)
+            cols.append(None)
+            var.append(PartitionSpec(*full))
+    tree = lambda xs: _tree.unflatten(treedef, xs)  # noqa: E731
+    del state  # its structure is that of `params`' leaves (the Nones are its unfactored slots)
+    return AdafactorState(PartitionSpec(), tree(rows), tree(cols), tree(var))
