@@ -310,6 +310,91 @@ def test_state_inside_shard_and_functional():
     assert _maxdiff(run(True), run(None)) <= 1e-12
 
 
+@pytest.mark.parametrize("how", ["func", "backward"])
+def test_state_that_moves_the_output_is_read_by_the_recompute_as_the_forward_read_it(how):
+    """As above, with the lagged mean where its value reaches the output (before a tanh; after
+    a BatchNorm it moves by rounding only, before one it cancels): a recompute reading the
+    state the forward left changes the gradients by ~1e-2, a second write changes the buffers."""
+    nn = torch.nn
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), _LaggedCenter(6), nn.Tanh(), nn.BatchNorm1d(6), nn.Linear(6, 3)).double()
+
+    plain, rematted = model(), model()
+    initial = {k: v.clone() for k, v in plain.named_buffers()}
+    p = {k: v.detach() for k, v in plain.named_parameters()}
+    xs = [2 + torch.randn(8, 4, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in range(3)]
+
+    def plain_grads(x):
+        leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+        torch.func.functional_call(plain, leaves, (x,)).square().sum().backward()
+        return {k: v.grad for k, v in leaves.items()}
+
+    block = sf.remat(lambda p, x: torch.func.functional_call(rematted, p, (x,)))
+
+    def remat_grads(x):
+        if how == "func":
+            return torch.func.grad(lambda p: block(p, x).square().sum())(p)
+        leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+        block(leaves, x).square().sum().backward()
+        return {k: v.grad for k, v in leaves.items()}
+
+    for x in xs:
+        assert _maxdiff(remat_grads(x), plain_grads(x)) <= 1e-12
+        for (name, got), (_, want) in zip(rematted.named_buffers(), plain.named_buffers()):
+            assert torch.equal(got, want), name
+    for name in ("1.mean", "3.running_mean", "3.running_var"):
+        assert (dict(rematted.named_buffers())[name] - initial[name]).abs().max() > 1e-2, name
+
+
+@pytest.mark.parametrize("remat", [True, P.dots_saveable])
+def test_state_inside_shard_and_functional_buffers_equal_no_remat(remat):
+    """The buffers themselves, not only the gradients: BatchNorm's running statistics (which
+    a train-mode forward writes but never reads, so a second write in the recompute changes
+    no output) and the lagged mean, on every rank's module copy, after three steps, equal
+    those without remat bit for bit, and moved far more than rounding from where they began."""
+    import threading
+
+    nn = torch.nn
+    torch.manual_seed(0)
+    # the lagged mean before the tanh, the BatchNorm after: right after a BatchNorm it would
+    # average normalized (zero-mean) activations and move by rounding only (as in the two tests
+    # above), right before one it would cancel (BatchNorm ignores a shift per feature)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), _LaggedCenter(6), nn.Tanh(), nn.BatchNorm1d(6))
+                            for _ in range(2)]).double()
+    initial = {k: v.clone() for k, v in model.named_buffers()}
+    x = 3 + torch.randn(3, 8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    copies = {}  # rank thread -> its module copy ([Note: a module copy per thread]; hooks are copied with it)
+    model.register_forward_hook(lambda m, args, out: copies.__setitem__(threading.get_ident(), m))
+
+    def run(remat):
+        apply_fn, params = sf.functional(model, remat=remat)
+        mesh = sf.local_mesh({"data": 2})
+        step = sf.shard(lambda p, x: apply_fn(p, x).square().mean(), mesh)
+
+        def body():
+            shards = step.shard_params(params)
+            grads = [step.unshard_params(step.grad_and_value(shards, xi.chunk(2)[mesh.rank])[0]) for xi in x]
+            return grads, {k: v.clone() for k, v in copies[threading.get_ident()].named_buffers()}
+
+        return mesh.run(body)
+
+    got, want = run(remat), run(None)
+    assert len(got) == len(want) == 2
+    # the gradients read the lagged mean the forward read (the recompute must not see its update)
+    assert _maxdiff([g for g, _ in got], [w for w, _ in want]) <= 1e-12
+    got, want = [b for _, b in got], [b for _, b in want]
+    for rank, (g, w) in enumerate(zip(got, want)):
+        assert sorted(g) == sorted(w) == sorted(initial)
+        for name in w:
+            assert torch.equal(g[name], w[name]), (rank, name, g[name], w[name])
+        assert int(g["0.3.num_batches_tracked"]) == 3 and int(g["1.1.calls"]) == 3
+        for name in ("0.3.running_mean", "0.3.running_var", "1.3.running_mean", "0.1.mean", "1.1.mean"):
+            assert (g[name] - initial[name]).abs().max() > 1e-2, name  # state that moved, not rounding
+    assert all(torch.equal(v, initial[k]) for k, v in model.named_buffers())  # the original is untouched
+
+
 class _History(torch.nn.Module):
     """Keeps what it saw in a Python list and uses all of it: state remat cannot replay."""
 
