@@ -103,7 +103,7 @@ class Layout:
 
     def of(self, tree) -> list[LeafBlocks]:
         paths, leaves, treedef = _tree.flatten_with_paths(tree)
-        key = (treedef, self.rank_key())
+        key = (treedef, self.rank_key(), tuple(tuple(x.shape) for x in leaves))
         got = self._cache.get(key)
         if got is None:
             got = self._build(tree, paths, leaves)
