@@ -9,7 +9,6 @@ import shardfn as sf
 import shardfn.optim as optim
 
 
-
 def test_an_owner_out_of_range_is_a_value_error():
     mesh = sf.local_mesh({"data": 2})
     opt = optim.muon(0.02, mesh=mesh, owners=lambda path, shape, size: size)
