@@ -29,6 +29,7 @@ from .._checkpoint._layout import Ranks, agree
 from .._errors import ShardingError, SpecError
 from .._fsdp import api
 from .._fsdp.init import local_bounds
+from ._convert import Piece, identity, pieces
 from ._safetensors import Header, ReadStats, read_box, read_header
 
 __all__ = ["load_shards", "checkpoint_index"]
@@ -92,8 +93,25 @@ def _resolve(key: str, names: Mapping[str, str], tails: Mapping[str, str], alias
     return None
 
 
+def _checkpoint_model(path: str, config: dict):
+    """The checkpoint's model class on the meta device (for its conversion table), or None."""
+    if not config.get("model_type"):
+        return None
+    try:
+        import transformers
+
+        cfg = transformers.AutoConfig.from_pretrained(path)
+        cls = next((getattr(transformers, a) for a in config.get("architectures") or [] if hasattr(transformers, a)),
+                   None)
+        with torch.device("meta"):
+            return cls._from_config(cfg) if cls is not None else transformers.AutoModel.from_config(cfg)
+    except Exception:  # noqa: BLE001 - no model to ask: the names are taken as they are
+        return None
+
+
 def load_shards(step, path, like: Any, *, cast: bool = False, key_map: KeyMap = None,
-                tied: Mapping[str, str] | None = None, strict: bool = True, return_stats: bool = False):
+                tied: Mapping[str, str] | None = None, strict: bool = True, return_stats: bool = False,
+                model=None):
     """This rank's shards of a transformers checkpoint, reading only this rank's rows.
 
     Collective: every rank of `step.mesh` calls it (inside `mesh.run`, or under torchrun)
@@ -114,13 +132,21 @@ def load_shards(step, path, like: Any, *, cast: bool = False, key_map: KeyMap = 
       cast: convert each tensor to `like`'s dtype (e.g. a bf16 checkpoint into fp32
         master shards); without it a dtype difference is an error.
       key_map: our dotted key (the module's `state_dict` name) -> the file's name, as a
-        callable or a dict, for checkpoints whose names differ.
+        callable or a dict, for checkpoints whose names differ. Without it the names are
+        transformers' own: the checkpoint's tensors are found through transformers'
+        conversion table, as `from_pretrained` finds them (renames such as GPT-NeoX's
+        `embed_out` -> `lm_head`, per-expert tensors fused into Qwen3-MoE's and Mixtral's
+        `experts.gate_up_proj`: [Note: checkpoint names through transformers' conversion
+        table] in shardfn/_hf/_convert.py).
       tied: `{other name: our name}` (`sf.checkpoint.tied_keys(model)`): names under which
         the file may hold a tied parameter; they are read when our name is absent and
         are not "unexpected" when both are present.
       strict: tensors in the file that `like` has no place for are an error; False
         ignores them.
       return_stats: also return a `ReadStats` of the bytes this rank read.
+      model: the transformers model `like` is the parameters of (its class and config choose
+        the conversion table); default: the class and config the checkpoint's config.json
+        names, built on the meta device.
 
     Returns:
       The shards (`like`'s structure; each leaf this rank's block, on `mesh.device`), or
@@ -169,6 +195,7 @@ def load_shards(step, path, like: Any, *, cast: bool = False, key_map: KeyMap = 
     plan, _ = api.lay_out(step, _tree.unflatten(treedef, metas), paths, metas, treedef, allow_meta=True)
     boxes = local_bounds(plan, mesh, cfg.shard_axes, [tuple(x.shape) for x in metas])
     keys = [leaf.key for leaf in named_leaves(like, None, key_map, who=WHO, what="like")[0]]
+    shapes = [tuple(m.shape) for m in metas]
     stats = ReadStats()
     out: dict[int, torch.Tensor] = {}
 
@@ -184,43 +211,64 @@ def load_shards(step, path, like: Any, *, cast: bool = False, key_map: KeyMap = 
             if rest:
                 tails[rest] = None if rest in tails else name  # None: ambiguous
         tails = {k: v for k, v in tails.items() if v is not None}
-        sources = [_resolve(k, index, tails, aliases) for k in keys]
-        _check_keys(path, index, keys, sources, paths, metas, {to_file(k) for k in tied or {}}, strict)
+        parts = _pieces(path, keys, shapes, metas, key_map, model)
+        flat = [(i, piece, _resolve(piece.name, index, tails, aliases)) for i in range(len(keys)) for piece in parts[i]]
+        _check_keys(path, index, flat, paths, metas, {to_file(k) for k in tied or {}}, strict)
         headers: dict[str, Header] = {}
-        for file in sorted({index[s] for s in sources}):
+        for file in sorted({index[s] for _, _, s in flat}):
             headers[file] = read_header(file, stats)
         entries = []
-        for source in sources:
+        for _, _, source in flat:
             entry = headers[index[source]].entries.get(source)
             if entry is None:
                 raise CheckpointError(f"{WHO}: the index names {index[source]!r} for {source!r}, but that file does "
                                       f"not hold it; the checkpoint is damaged")
             entries.append(entry)
-        _check_shapes(sources, paths, metas, entries, cast)
-        order = sorted(range(len(keys)), key=lambda i: (index[sources[i]], entries[i].begin))
+        _check_shapes(flat, paths, metas, entries, cast)
+        blocks = [torch.empty([b - a for a, b in boxes[i]], dtype=metas[i].dtype) for i in range(len(keys))]
+        order = sorted(range(len(flat)), key=lambda j: (index[flat[j][2]], entries[j].begin))
         file, f = None, None
         try:
-            for i in order:
-                if index[sources[i]] != file:
+            for j in order:
+                i, piece, source = flat[j]
+                within = piece.within(boxes[i])
+                if within is None:  # no part of this piece is this rank's
+                    continue
+                if index[source] != file:
                     if f is not None:
                         f.close()
-                    file = index[sources[i]]
+                    file = index[source]
                     f = open(file, "rb")
-                block = read_box(f, entries[i], boxes[i], stats)
-                out[i] = block.to(device=mesh.device, dtype=metas[i].dtype)
+                file_box, place = within
+                part = read_box(f, entries[j], file_box, stats)
+                target = blocks[i][place]
+                target.copy_(piece.to_ours(part, target.shape))
         finally:
             if f is not None:
                 f.close()
+        for i, block in enumerate(blocks):
+            out[i] = block.to(device=mesh.device)
 
     agree(Ranks(mesh), read_all, WHO)
     shards = _tree.unflatten(treedef, [out[i] for i in range(len(leaves))])
     return (shards, stats) if return_stats else shards
 
 
-def _check_keys(path, index, keys, sources, paths, metas, tied, strict) -> None:
-    missing = [f"{k!r} (like{_tree.keystr(p)}, shape {tuple(m.shape)})"
-               for k, s, p, m in zip(keys, sources, paths, metas) if s is None]
-    used = set(s for s in sources if s is not None)
+def _pieces(path: str, keys, shapes, metas, key_map, model) -> list[list[Piece]]:
+    """Per leaf, the checkpoint tensors it is read from: transformers' conversion table's
+    ([Note: checkpoint names through transformers' conversion table]), or with `key_map` the
+    names it gives."""
+    if key_map is not None:
+        return [identity(k, s) for k, s in zip(keys, shapes)]
+    model = model if model is not None else _checkpoint_model(path, _config(path))
+    if model is None:
+        return [identity(k, s) for k, s in zip(keys, shapes)]
+    return pieces(model, keys, shapes, [m.dtype for m in metas])
+
+
+def _check_keys(path, index, flat, paths, metas, tied, strict) -> None:
+    missing = [f"{piece.name!r} (like{_tree.keystr(paths[i])}, shape {piece.shape})" for i, piece, s in flat if s is None]
+    used = set(s for _, _, s in flat if s is not None)
     unexpected = [n for n in index if n not in used and n not in tied] if strict else []
     if not (missing or unexpected):
         return
@@ -243,12 +291,12 @@ def _check_keys(path, index, keys, sources, paths, metas, tied, strict) -> None:
     raise CheckpointKeyError("\n".join(parts) + "\nFix: " + "; ".join(fixes) + ".")
 
 
-def _check_shapes(sources, paths, metas, entries, cast: bool) -> None:
+def _check_shapes(flat, paths, metas, entries, cast: bool) -> None:
     shapes, dtypes = [], []
-    for source, p, meta, entry in zip(sources, paths, metas, entries):
-        name = f"{source!r} (like{_tree.keystr(p)})"
-        if entry.shape != tuple(meta.shape):
-            shapes.append(f"{name}: the checkpoint holds {entry.shape}, like has {tuple(meta.shape)}")
+    for (i, piece, source), entry in zip(flat, entries):
+        name, meta = f"{source!r} (like{_tree.keystr(paths[i])})", metas[i]
+        if entry.shape != piece.shape:
+            shapes.append(f"{name}: the checkpoint holds {entry.shape}, like has {piece.shape}")
         elif entry.dtype != meta.dtype and not cast:
             dtypes.append(f"{name}: the checkpoint holds {entry.dtype}, like has {meta.dtype}")
     if shapes:

@@ -32,6 +32,7 @@ from .._errors import ShardingError, bullet_list
 from .._fsdp import api
 from .._fsdp.unshard import iter_unshard
 from .._functional import _walk
+from ._convert import identity, pieces
 from ._load import INDEX, SINGLE
 from ._safetensors import Writer
 
@@ -104,7 +105,11 @@ def save_pretrained(path, step, shards: Any, model, *, max_shard_size="5GB", dty
         (transformers' default is "5GB").
       dtype: the dtype to write floating-point tensors in (e.g. `torch.bfloat16`);
         default: the shards' own. `config.json` records it.
-      key_map: our dotted key -> the name to write (callable or dict).
+      key_map: our dotted key -> the name to write (callable or dict). Without it the
+        names (and the split of fused tensors) are those `model.save_pretrained` writes,
+        from transformers' conversion table (GPT-NeoX's `lm_head` as `embed_out`, Qwen3-MoE's
+        and Mixtral's fused experts one tensor per expert: [Note: checkpoint names through
+        transformers' conversion table] in shardfn/_hf/_convert.py).
       overwrite: replace an existing `path` (atomically); otherwise it must not exist.
 
     Returns:
@@ -143,8 +148,11 @@ def save_pretrained(path, step, shards: Any, model, *, max_shard_size="5GB", dty
     position = {p: i for i, (p, _) in enumerate(order)}
     paths = _tree.flatten_with_paths(full_tree)[0]
     by_module = sorted(range(len(keys)), key=lambda i: position.get(paths[i], len(order) + i))
-    files = [[by_module[j] for j in group] for group in
-             _layout([keys[i] for i in by_module], [shapes[i] for i in by_module], [dtypes[i] for i in by_module],
+    parts = ([identity(k, s) for k, s in zip(keys, shapes)] if key_map is not None else
+             pieces(model, keys, shapes, dtypes))
+    written = [(i, piece) for i in by_module for piece in parts[i]]  # the file's tensors, in order
+    files = [[written[j] for j in group] for group in
+             _layout([p.name for _, p in written], [p.shape for _, p in written], [dtypes[i] for i, _ in written],
                      max_bytes)]
     names = ([SINGLE] if len(files) == 1 else
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
@@ -163,9 +171,9 @@ def save_pretrained(path, step, shards: Any, model, *, max_shard_size="5GB", dty
         _write_configs(model, tmp, next((d for d in dtypes if d.is_floating_point), None))
         writers, where = [], {}
         for name, group in zip(names, files):
-            writers.append(Writer(os.path.join(tmp, name), [(keys[i], shapes[i], dtypes[i]) for i in group],
+            writers.append(Writer(os.path.join(tmp, name), [(p.name, p.shape, dtypes[i]) for i, p in group],
                                   {"format": "pt"}))
-            where.update({i: writers[-1] for i in group})
+            where.update({p.name: writers[-1] for _, p in group})
         state["writers"], state["where"] = writers, where
 
     try:
@@ -180,7 +188,8 @@ def save_pretrained(path, step, shards: Any, model, *, max_shard_size="5GB", dty
                 if tuple(leaf.shape) != shapes[i]:
                     raise ShardingError(f"{WHO}: {keys[i]!r}: the gathered leaf has shape {tuple(leaf.shape)}, the "
                                         f"model's parameter {shapes[i]}.\nFix: pass the model these shards belong to.")
-                state["where"][i].write(keys[i], leaf.to(dtypes[i]))
+                for piece in parts[i]:
+                    state["where"][piece.name].write(piece.name, piece.out_of(leaf.to(dtypes[i])))
             except Exception as err:  # noqa: BLE001 - the others are in the gathers: finish them, then raise
                 failure.append(err)
 
@@ -193,7 +202,7 @@ def save_pretrained(path, step, shards: Any, model, *, max_shard_size="5GB", dty
             for writer in state["writers"]:
                 writer.close()
             if len(files) > 1:
-                weight_map = {keys[i]: name for name, group in zip(names, files) for i in group}
+                weight_map = {p.name: name for name, group in zip(names, files) for _, p in group}
                 index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
                 with open(os.path.join(tmp, INDEX), "w") as f:
                     json.dump(index, f, indent=2)

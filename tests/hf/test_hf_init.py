@@ -151,7 +151,9 @@ def test_descriptions_name_the_models_rules():
     assert I.from_module(meta_model("llama"), {"model.norm.weight": I.constant(2.0)})["model"]["norm"]["weight"].init \
         == I.constant(2.0)
     assert torch.nn.init.normal_.__module__ == "torch.nn.init" and torch.nn.init.normal_.__name__ == "normal_"
-    assert transformers.initialization.TORCH_INIT_FUNCTIONS["zeros_"] is torch.nn.init.zeros_
+    import importlib  # (a submodule: an attribute of transformers only once something imported it)
+
+    assert importlib.import_module("transformers.initialization").TORCH_INIT_FUNCTIONS["zeros_"] is torch.nn.init.zeros_
 
 
 def test_zero_rows_keeps_the_other_rows_values():
