@@ -54,7 +54,7 @@ class Finding:
 
     @property
     def kind(self) -> str:
-        return "hang" if any(e is None for r, e in self.issued.items() if self.last[r] is not None) else "desync"
+        return "hang" if any(e is None for e in self.issued.values()) else "desync"
 
 
 def _group_histories(docs: dict[int, dict]):
@@ -131,9 +131,14 @@ def analyze(path_or_docs) -> list[Finding]:
             break
         else:
             dead = [r for r in ranks if r not in docs]
-            if dead and present:
-                findings.append(Finding(axes, ranks, end + 1, {r: None for r in ranks}, last, dead,
-                                        f"{_ranks(dead)} left no dump (dead, on another host, or not signalled)"))
+            if dead and present:  # where the present ranks wait: their first unfinished collective
+                waiting = [s for s in range(start, end + 1)
+                           if any(by_rank.get(r, {}).get(s, {}).get("t_end", 0) is None for r in present)]
+                seq = waiting[0] if waiting else end + 1
+                issued = {r: by_rank.get(r, {}).get(seq) for r in ranks}
+                findings.append(Finding(axes, ranks, seq, issued, last, dead,
+                                        f"{_ranks(dead)} left no dump (dead, dropped, on another host, or not "
+                                        f"signalled)"))
     return findings
 
 

@@ -164,3 +164,66 @@ def test_recording_costs_a_few_python_calls_per_collective():
     # record + ring + done per collective, and the step/unit labels (flight.unit's enter/exit)
     assert counts["flight"] <= 6 * n, (counts, n)
     assert counts["flight"] < 0.03 * counts["all"], counts
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_dropped_rank_in_an_fsdp_step_is_explained(tmp_path):
+    """A real `shard` step; rank 1 leaves at the 2nd collective of step 2
+    (`faults.drop_from_store`: alive, silent). Rank 0 times out and both dump: the tool
+    names rank 1, the collective number, the step and the unit rank 0 was gathering."""
+    from shardfn.testing import faults
+
+    def body():
+        sf.flight.set_dump_dir(tmp_path)
+        mesh = sf.init_mesh({"data": 2}, timeout=2)
+        params = {"layers": [{"w": torch.eye(4) * (i + 1)} for i in range(2)]}
+        step = sf.shard(lambda p, x: sum(torch.tanh(x @ l["w"]).sum() for l in p["layers"]), mesh)
+        shards = step.shard_params(params)
+        with faults.inject(mesh, faults.drop_from_store(1, step=2, collective=2)):
+            for _ in range(3):
+                torch.func.grad(step)(shards, torch.ones(2, 4))
+
+    with pytest.raises(RankProcessError, match="CollectiveTimeoutError"):
+        run_multiprocess(body, 2, timeout=30)
+    docs = sf.flight.load(str(tmp_path))
+    # a dropped rank's pid left the store with it: it cannot be asked to dump
+    assert {r: d["reason"] for r, d in docs.items()} == {0: "timeout"}
+    (f,) = sf.flight.analyze(docs)
+    assert (f.kind, f.behind, f.last[1]) == ("hang", [1], None)
+    mine = [e for e in docs[0]["entries"] if e["step"] == 2]
+    assert f.seq == mine[1]["seq"] and f.issued[0] == mine[1]  # rank 0 waits in step 2's 2nd collective
+    assert mine[1]["t_end"] is None and mine[1]["unit"] is not None
+    text = _cli(tmp_path)
+    assert f"hang at collective #{f.seq}" in text, text
+    assert f"[step 2 unit {mine[1]['unit']}]" in text and "NOT FINISHED" in text, text
+    assert "  rank 1: no dump" in text and "=> rank 1 is behind: rank 1 left no dump" in text, text
+
+
+@pytest.mark.slow
+def test_a_timeout_on_the_simulated_mesh_dumps_every_rank(tmp_path):
+    """The simulated mesh's ranks live in one process: the rank that times out dumps them all."""
+    run_multiprocess(_simulated_timeout, 1, str(tmp_path), timeout=60)
+    (f,) = sf.flight.analyze(str(tmp_path))
+    assert sorted(sf.flight.load(str(tmp_path))) == [0, 1, 2]
+    assert (f.kind, f.behind, f.seq, f.ranks) == ("hang", [2], 6, (0, 1, 2))
+    assert f.issued[0]["what"] == f.issued[1]["what"] == "all_gather(shape=(2,), dtype=torch.float32)"
+
+
+def _simulated_timeout(path: str) -> None:
+    sf.flight.set_dump_dir(path)
+    mesh = sf.local_mesh({"data": 3}, timeout=1)
+
+    def body():  # rank 2 skips the last all_gather(2): the others wait for it alone
+        group = mesh.group("data")
+        for step in range(1, 4):
+            with flight.step(step):
+                ops.all_gather(group, torch.ones(4))
+                if not (step == 3 and mesh.rank == 2):
+                    ops.all_gather(group, torch.ones(2))
+
+    try:
+        mesh.run(body)
+    except sf.CollectiveTimeoutError:
+        return
+    raise AssertionError("no timeout")
