@@ -12,7 +12,7 @@ from .. import _tree
 from .._functional import _walk
 from .._errors import ShardingError, bullet_list
 from .describe import Param
-from .initializers import Initializer, _Embedding, _fans, kaiming_uniform, ones, uniform, zeros
+from .initializers import Initializer, _Embedding, _fans, constant, kaiming_uniform, ones, uniform, zeros
 from .record import is_transformers_model, record
 from .rules import param_initializer
 
@@ -107,6 +107,8 @@ def from_module(module: torch.nn.Module, overrides=None):
                 continue
         if init is None:
             init = torch_default(owner, name)
+        if init is None and own is not None:  # [Note: values set by the constructor]
+            init = own.constructed(dotted)
         if init is None:
             unknown = "" if own is None else f"is left alone by {own.rules} and "
             problems.append(
@@ -122,6 +124,67 @@ def from_module(module: torch.nn.Module, overrides=None):
     return _tree.unflatten(treedef, out)
 
 
+# [Note: values set by the constructor]
+# A transformers model's `_init_weights` leaves some parameters to `__init__`, which makes
+# them with a constant: BertLMPredictionHead's `bias = nn.Parameter(torch.zeros(vocab))`,
+# a layer scale `torch.ones(d) * 1.0`-free `nn.Parameter(torch.full((d,), 1e-5))`. A model
+# built on the meta device holds no values, so from_module builds the model's class once
+# more from its config, on the meta device, under a mode that notes every constant factory
+# call (zeros, ones, full, their _like forms, torch.tensor of a number) by the storage it
+# makes; `nn.Parameter(t)` keeps t's storage, so each parameter of the copy says which
+# constant it was made as. Only constants are followed: a parameter made by `torch.empty`,
+# `torch.randn` or arithmetic stays an error naming it.
+
+_CONSTANT_FACTORIES = {torch.zeros: "zeros", torch.ones: "ones", torch.full: "full", torch.zeros_like: "zeros",
+                       torch.ones_like: "ones", torch.full_like: "full", torch.tensor: "tensor"}
+
+
+class _Factories(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.made: dict[int, Initializer] = {}  # storage -> the constant it was made as
+        self.keep: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        kind = _CONSTANT_FACTORIES.get(func)
+        if kind is not None and isinstance(out, torch.Tensor):
+            init = None
+            if kind == "zeros":
+                init = zeros()
+            elif kind == "ones":
+                init = ones()
+            elif kind == "full":
+                value = args[1] if len(args) > 1 else kwargs.get("fill_value")
+                init = constant(float(value)) if isinstance(value, (int, float)) else None
+            elif args and isinstance(args[0], (int, float)) and not isinstance(args[0], bool):
+                init = constant(float(args[0]))
+            if init is not None:
+                self.keep.append(out)
+                self.made[out.untyped_storage()._cdata] = init
+        return out
+
+
+def _constructed(model: torch.nn.Module) -> dict[str, Initializer]:
+    """Dotted parameter name -> the constant `model`'s class makes it with in `__init__`
+    ([Note: values set by the constructor]); {} when the class cannot be built again."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    try:
+        with torch.device("meta"), _Factories() as mode:
+            again = type(model)(config)
+    except Exception:  # noqa: BLE001 - a class that needs more than its config: nothing to follow
+        return {}
+    out = {}
+    for name, p in again.named_parameters(remove_duplicate=False):
+        init = mode.made.get(p.untyped_storage()._cdata)
+        if init is not None:
+            out[name] = init
+    return out
+
+
 class _ModelRules:
     """A transformers model's recorded init, per parameter."""
 
@@ -129,6 +192,13 @@ class _ModelRules:
         self.model = model
         self.writes = record(model)
         self.rules = f"{type(model).__name__}._init_weights"
+        self._constructed: dict[str, Initializer] | None = None
+
+    def constructed(self, dotted: str) -> Initializer | None:
+        """The constant `__init__` makes `dotted` with, or None ([Note: values set by the constructor])."""
+        if self._constructed is None:
+            self._constructed = _constructed(self.model)
+        return self._constructed.get(dotted)
 
     def initializer(self, dotted: str, shape: tuple[int, ...]) -> tuple[Initializer | None, str | None]:
         writes = self.writes.get(id(self.model.get_parameter(dotted)), [])

@@ -177,8 +177,10 @@ class _Recorder:
         if base not in self.tied or not self.tied_targets:
             return False
         prefix = f"{self.name}." if self.name else ""
-        return any(id(t) == base and f"{prefix}{name}" in self.tied_targets
-                   for name, t in _named_tensors(self.module))
+        names = [f"{prefix}{name}" for name, t in _named_tensors(self.module) if id(t) == base]
+        # a module holding the tensor under its source name too (BertLMPredictionHead's `bias`,
+        # tied to its `decoder.bias`) writes it through that name: the source's own init
+        return bool(names) and all(name in self.tied_targets for name in names)
 
 
 def _named_tensors(module):
