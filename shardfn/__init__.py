@@ -39,6 +39,8 @@ from ._memory import measure_memory as measure_memory
 from ._mesh import Mesh as Mesh
 from ._mesh import init_mesh as init_mesh
 from ._mesh import local_mesh as local_mesh
+from ._per_example import PerExampleGrads as PerExampleGrads
+from ._per_example import per_example_grads as per_example_grads
 from ._pipeline import Action as PipelineAction
 from ._pipeline import Pipeline as Pipeline
 from ._pipeline import Schedule as PipelineSchedule
@@ -73,6 +75,7 @@ __all__ = [
     "NonFiniteError",
     "P",
     "PartitionSpec",
+    "PerExampleGrads",
     "Pipeline",
     "PipelineAction",
     "PipelineSchedule",
@@ -97,6 +100,7 @@ __all__ = [
     "measure_memory",
     "nn",
     "optim",
+    "per_example_grads",
     "pipeline",
     "pipeline_schedule",
     "pmax",

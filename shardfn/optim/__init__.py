@@ -40,6 +40,9 @@ from ._alias import lion as lion
 from ._alias import sgd as sgd
 from ._clipping import clip_by_global_norm as clip_by_global_norm
 from ._clipping import global_norm as global_norm
+from ._dpsgd import DPAggregateState as DPAggregateState
+from ._dpsgd import dp_aggregate as dp_aggregate
+from ._dpsgd import noise_seed as dp_noise_seed
 from ._inject import InjectHyperparamsState as InjectHyperparamsState
 from ._inject import inject_hyperparams as inject_hyperparams
 from ._lion import ScaleByLionState as ScaleByLionState
@@ -80,6 +83,7 @@ from .train import train_step as train_step
 __all__ = [
     "AdafactorState",
     "AppliedUpdates",
+    "DPAggregateState",
     "EmptyState",
     "GradientTransformation",
     "InjectHyperparamsState",
@@ -102,6 +106,8 @@ __all__ = [
     "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
+    "dp_aggregate",
+    "dp_noise_seed",
     "global_norm",
     "identity",
     "inject_hyperparams",
