@@ -10,6 +10,7 @@ losses, as the inner shard step averages them). shardfn: `sf.diloco` on
 to fp64 rounding at every inner step, the outer steps included.
 """
 
+import copy
 import threading
 from datetime import timedelta
 
@@ -96,3 +97,127 @@ def test_diloco_follows_torchfts_diloco():
         for t in range(STEPS):
             worst = max(worst, max_diff(trajectory[t], theirs[t]))
     assert worst < 1e-13, worst
+
+
+# -- a replica lost and healed, through torchft's Manager ---------------------------------------
+
+H2, OUTER_STEPS, DIE_AT = 2, 7, 5  # replica 1 dies before its 6th inner step (in outer period 2)
+
+
+class Died(Exception):
+    pass
+
+
+def ft_replica(r: int, lighthouse: str, logs: list, finals: dict, die_at=None, alone=None) -> None:
+    """One replica (its own 1-rank mesh) under sf.diloco(replicas=<its torchft Manager>)."""
+    mesh = sf.local_mesh({"shard": 1}, timeout=30)
+    step = sf.shard(loss_fn, mesh, data_axes="shard")
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+
+    def body():
+        torch.set_num_threads(1)
+        manager = Manager(
+            pg=ProcessGroupGloo(), min_replica_size=1, use_async_quorum=False, init_sync=False,
+            load_state_dict=lambda sd: train.load_state_dict(sd, rank=0), state_dict=lambda: train.state_dict(rank=0),
+            replica_id=str(r), store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+            lighthouse_addr=lighthouse, port=0, connect_timeout=timedelta(seconds=20),
+            quorum_timeout=timedelta(seconds=30), timeout=timedelta(seconds=20))
+        train = sf.diloco(step, sf.optim.adamw(LR, weight_decay=WD), sync_every=H2, outer_lr=OUTER_LR,
+                          outer_momentum=OUTER_MOMENTUM, replicas=manager)
+        try:
+            shards = step.shard_params(init())
+            state = train.init(shards)
+            while manager.current_step() < OUTER_STEPS:
+                if die_at is not None and state.count == die_at:
+                    raise Died(f"replica {r} lost")
+                shards, state, _ = train(shards, state, batch(state.count, r))
+                if alone is not None and manager.current_step() >= 4:
+                    alone.set()  # replica 0 took steps 2 and 3 alone: let the replacement start
+            full = step.unshard_params(shards)
+            return [full["layers"][0]["w"], full["layers"][0]["b"], full["layers"][1]["w"]], state.count
+        finally:
+            logs.append((r, list(train.log)))
+            manager.shutdown(wait=False)
+
+    finals[r] = mesh.run(body)[0]
+
+
+def reference_with_membership(participants: dict[int, int], healed_at: int) -> list:
+    """Replica 0's parameters after OUTER_STEPS outer steps, replica 1 taking part where
+    `participants[k] == 2` and healed (a copy of replica 0, not taking part) at step `healed_at`."""
+    leaves = lambda tree: [tree["layers"][0]["w"], tree["layers"][0]["b"], tree["layers"][1]["w"]]  # noqa: E731
+    params = [init() for _ in range(R)]
+    opts = [torch.optim.AdamW([p.requires_grad_() for p in leaves(params[r])], lr=LR, weight_decay=WD)
+            for r in range(R)]
+    anchor = [x.detach().clone().requires_grad_() for x in leaves(init())]
+    outer = torch.optim.SGD(anchor, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+    for k in range(OUTER_STEPS):
+        for r in range(R):
+            for i in range(H2):
+                opts[r].zero_grad()
+                loss_fn(params[r], batch(k * H2 + i, r)).backward()
+                opts[r].step()
+        with torch.no_grad():
+            if k == healed_at:  # replica 1 gets replica 0's state (parameters and AdamW's)
+                for p1, p0 in zip(leaves(params[1]), leaves(params[0])):
+                    p1.copy_(p0)
+                opts[1].load_state_dict(copy.deepcopy(opts[0].state_dict()))  # no shared state tensors
+            deltas = [[a - p for a, p in zip(anchor, leaves(params[r]))] for r in range(R)]
+            for i, a in enumerate(anchor):
+                a.grad = (deltas[0][i] + deltas[1][i]) / 2 if participants[k] == 2 else deltas[0][i] / 1
+            outer.step()
+            for r in range(R):
+                for p, a in zip(leaves(params[r]), anchor):
+                    p.copy_(a)
+    return [a.detach() for a in anchor]
+
+
+@pytest.mark.slow
+def test_a_lost_replica_is_healed_from_its_peer_through_torchft():
+    """Replica 1 dies in outer period 2; replica 0 goes on alone (no restart) for outer steps
+    2 and 3 at least; replica 1 restarts from scratch, is healed from replica 0 at a quorum (its shards and both
+    optimizers' states, through the Manager's checkpoint transport), and both finish equal.
+    Replica 0's parameters equal the fp64 reference that averaged over the replicas that
+    took part in each outer step (as torchft's logs say), to rounding."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    logs, finals, errors = [], {}, {}
+
+    alone = threading.Event()
+
+    def run_replica(r):
+        try:
+            if r == 1:
+                try:
+                    ft_replica(1, lighthouse.address(), logs, finals, die_at=DIE_AT)
+                except Died:
+                    assert alone.wait(120)
+                    ft_replica(1, lighthouse.address(), logs, finals)  # the replacement
+            else:
+                ft_replica(0, lighthouse.address(), logs, finals, alone=alone)
+        except BaseException as err:  # noqa: BLE001
+            errors[r] = err
+
+    try:
+        threads = [threading.Thread(target=run_replica, args=(r,), daemon=True) for r in range(R)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    finally:
+        lighthouse.shutdown()
+    assert not errors and sorted(finals) == [0, 1], (errors, logs)
+    zero = next(log for r, log in logs if r == 0)
+    assert all(committed for *_, committed in zero) and [s for _, s, *_ in zero] == list(range(OUTER_STEPS)), zero
+    participants = {s: p for _, s, p, _, _ in zero}
+    replacement = [log for r, log in logs if r == 1][-1]
+    healed = [s for _, s, _, h, _ in replacement if h]
+    assert len(healed) == 1, replacement
+    assert healed[0] >= 4 and [participants[s] for s in range(OUTER_STEPS)] == (
+        [2, 2] + [1] * (healed[0] - 2) + [2] * (OUTER_STEPS - healed[0])), (participants, healed)
+    # (healed at a synchronous quorum, the replacement takes part with its peer's state: the
+    # mean of two equal deltas is that delta, exactly)
+    # the survivors' trajectory: the reference that averaged over the replicas that took part
+    want = reference_with_membership(participants, healed[0])
+    assert max_diff(finals[0][0], want) < 1e-13, (max_diff(finals[0][0], want), participants)
+    # the healed replica equals its peer
+    assert max_diff(finals[1][0], finals[0][0]) == 0.0 and finals[1][1] == finals[0][1] == OUTER_STEPS * H2
