@@ -254,8 +254,15 @@ _FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
 
 def _stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
     """A CPU tensor of `t`'s shape and dtype holding one row (stride 0 elsewhere): enough for
-    the kernel choice, which looks at shapes, dtypes and the last dim's stride only."""
-    return None if t is None else torch.empty(t.shape[-1:], dtype=t.dtype).expand(t.shape)
+    the kernel choice, which looks at shapes, dtypes, the last dim's stride and whether a
+    gradient is wanted (the CPU's fused kernel has none for a mask: T5's learned position
+    bias takes the math path)."""
+    if t is None:
+        return None
+    wants_grad = t.requires_grad and torch.is_grad_enabled() and (t.is_floating_point() or t.is_complex())
+    with torch._C._DisableFuncTorch():  # a plain tensor, also inside remat's recompute (a torch.func transform)
+        row = torch.empty(t.shape[-1:], dtype=t.dtype, requires_grad=wants_grad)
+        return row.expand(t.shape)
 
 
 class MetaFunctions(TorchFunctionMode):
