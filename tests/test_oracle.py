@@ -1,0 +1,161 @@
+"""The property-based oracle over transforms (issue 38; tests/oracle_cases.py).
+
+Hypothesis draws a model (an MLP, a GPT block, a transformers Llama decoder layer), a mesh
+(simulated 1-D of 2 or 4 ranks, 2-D 2x2 with FSDP over both axes, HSDP or hpZ; processes
+in the slow set), `sf.shard` options (reshard_after_forward, prefetch, a frozen leaf,
+MixedPrecision in fp64, check_finite, batch_weighting, units per leaf group, remat) or an
+`sf.shard_map` program (in/out specs, a psum or all_gather body, check_vma both ways) and
+a transform stack (grad, vjp, jvp, vmap over examples, jacrev of a small output, HVP
+forward-over-reverse and reverse-over-reverse, grad through one shardfn.optim step with a
+tensor learning rate; arguments closed over or passed). Every rank's result must equal the
+same stack on one device in fp64 within 1e-10 (max |error| over max |value|), or the step
+must refuse with the composition table's SpecError where the table refuses.
+
+Profiles: the lean one (`ORACLE_LEAN` examples per stack, marked slow + ci so `make test`
+runs it) and the full one (`ORACLE_FULL`, default 300 per stack, `make test-all`); both
+derandomized. `ORACLE_FULL=50 pytest tests/test_oracle.py -m slow` runs a shorter full set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import oracle_cases as oc
+
+LEAN = int(os.environ.get("ORACLE_LEAN", "5"))
+FULL = int(os.environ.get("ORACLE_FULL", "300"))
+
+
+def _settings(n: int):
+    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _shard(stack: str, n: int, models=("mlp", "gpt_block")):
+    @_settings(n)
+    @given(oc.shard_cases(models=models, stacks=(stack,)))
+    def run(case):
+        problems = oc.check_shard_case(case)
+        assert not problems, f"{case}:\n" + "\n".join(problems)
+
+    run()
+
+
+def _shard_map(stack: str, n: int):
+    @_settings(n)
+    @given(oc.shard_map_cases(stacks=(stack,)))
+    def run(case):
+        problems = oc.check_shard_map_case(case)
+        assert not problems, f"{case}:\n" + "\n".join(problems)
+
+    run()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_meshes():
+    yield
+    oc.mesh_of.cache_clear()  # each simulated mesh holds its ranks' threads
+
+
+# -- lean: make test -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+@pytest.mark.parametrize("stack", oc.STACKS)
+def test_shard_equals_one_device_lean(stack):
+    _shard(stack, LEAN)
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+@pytest.mark.parametrize("stack", oc.SM_STACKS)
+def test_shard_map_equals_one_device_lean(stack):
+    _shard_map(stack, LEAN)
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_llama_layer_lean():
+    pytest.importorskip("transformers")
+
+    @_settings(3)
+    @given(oc.shard_cases(models=("llama_layer",), meshes=("1d2", "2d")))
+    def run(case):
+        problems = oc.check_shard_case(case)
+        assert not problems, f"{case}:\n" + "\n".join(problems)
+
+    run()
+
+
+def test_the_oracle_accepts_a_refusal_only_where_the_table_refuses():
+    """vmap with batch_weighting='global_mean' is the table's refused cell: the oracle wants
+    its SpecError; the same options under grad must run and be exact."""
+    case = oc.ShardCase(model="mlp", mesh="1d2", layout="fsdp", stack="vmap", closed=False, weighting="global_mean")
+    assert oc.check_shard_case(case) == []
+    step = oc.sf.shard(lambda p, b: None, oc.mesh_of(oc.MESHES["1d2"][0]), batch_weighting="global_mean")
+    assert "vmap(grad(step), in_dims=(None, 0)) does not support batch_weighting='global_mean'" in str(
+        oc.expected_refusal(case, step))
+    assert oc.expected_refusal(oc.ShardCase(model="mlp", mesh="1d2", layout="fsdp", stack="grad", closed=False,
+                                            weighting="global_mean"), step) is None
+
+
+# -- full: make test-all ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("stack", oc.STACKS)
+def test_shard_equals_one_device_full(stack):
+    pytest.importorskip("transformers")
+    _shard(stack, FULL, models=("mlp", "gpt_block", "llama_layer"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("stack", oc.SM_STACKS)
+def test_shard_map_equals_one_device_full(stack):
+    _shard_map(stack, FULL)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mesh", ["1d2", "2d"])
+def test_processes_equal_one_device(mesh):
+    """Every stack once on real gloo processes (2 and 2x2), shard and shard_map."""
+    from shardfn.testing import run_on_mesh
+
+    sm_mesh = {"1d2": "1d2", "2d": "2d"}[mesh]
+
+    @settings(max_examples=1, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(oc.shard_cases(meshes=(mesh,)), min_size=len(oc.STACKS), max_size=len(oc.STACKS),
+                    unique_by=lambda c: c.stack),
+           st.lists(oc.shard_map_cases(meshes=(sm_mesh,)), min_size=len(oc.SM_STACKS), max_size=len(oc.SM_STACKS),
+                    unique_by=lambda c: c.stack))
+    def run(cases, sm_cases):
+        shape = dict(oc.MESHES[mesh][0])
+        # shard_map cases name axes x / y: a second mesh of the same shape in the same processes
+        sm_shape = dict(oc.SM_MESHES[sm_mesh])
+
+        def both(m):
+            import shardfn as sf
+
+            problems = []
+            for case in cases:
+                problems += [f"{case}: {p}" for p in oc.check_shard_case(case, mesh=m)]
+            sm = sf.init_mesh(sm_shape)
+            for case in sm_cases:
+                problems += [f"{case}: {p}" for p in oc.check_shard_map_case(case, mesh=sm)]
+            return problems
+
+        results = run_on_mesh(both, shape, backend="distributed", timeout=300)
+        problems = [p for r in results for p in r]
+        assert not problems, "\n".join(problems)
+
+    run()
