@@ -149,7 +149,7 @@ def test_vmap_of_grad_of_the_step_is_the_mean_over_ranks_of_each_slot():
 
 # -- DP-SGD -------------------------------------------------------------------------------
 
-CLIP, SIGMA, LR, SEED = 0.5, 0.7, 0.3, 1234
+CLIP, SIGMA, LR, SEED = 3.0, 0.7, 0.05, 1234  # C between the examples' norms: some clipped, some not
 
 
 def noise_seed(seed, step, leaf, blk):  # docs' formula, written out again
@@ -210,8 +210,8 @@ def test_dp_sgd_steps_equal_a_one_device_reference_with_the_same_noise_seed(n):
     for final in mesh.run(dp_sgd_sharded, mesh, params, batches, n):
         assert max_diff(final, expected) <= 1e-10
     # clipping and noise matter here: one DP-SGD step is far from plain SGD on the mean gradient
-    clipped = (reference(params, batch0)[1].sqrt() > CLIP).sum().item()
-    assert clipped >= 1, "no example was clipped: the test would not see a wrong clip"
+    norms = reference(params, batch0)[1].sqrt()
+    assert (norms > CLIP).any() and (norms < CLIP).any(), "the test would not see a wrong clip factor"
     plain = optree.tree_map(lambda p, g: p - LR * g.mean(0), params, reference(params, batch0)[0])
     assert max_diff(reference_dp_sgd(params, [batch0], n), plain) > 1e-3
 
