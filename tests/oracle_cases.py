@@ -268,16 +268,19 @@ def shard_cases(draw, models=("mlp", "gpt_block"), meshes=tuple(MESHES), stacks=
     stack = draw(st.sampled_from(stacks))
     mesh = draw(st.sampled_from(meshes))
     layout = draw(st.sampled_from(MESHES[mesh][1]))
+    name = draw(st.sampled_from(models))
     return ShardCase(
-        model=draw(st.sampled_from(models)), mesh=mesh, layout=layout, stack=stack, closed=draw(st.booleans()),
+        model=name, mesh=mesh, layout=layout, stack=stack, closed=draw(st.booleans()),
         reshard=draw(st.booleans()), prefetch=draw(st.sampled_from((1, 2))),
         # frozen leaves are constants of the step: their dependence on a learning rate is dropped, so the
         # hypergradient is not the one-device one there (left out of the optim stack)
         frozen=None if stack == "optim" else draw(st.one_of(st.none(), st.integers(0, 20))),
         mp64=draw(st.booleans()), check_finite=draw(st.booleans()),
         weighting=draw(st.sampled_from(("equal", "equal", "global_mean"))),
-        # GPT block + remat under vmap: a known functorch assertion, a SpecError (docs/composition.md)
-        remat=draw(st.booleans()) if stack != "vmap" else False,
+        # GPT + remat under vmap: a known functorch assertion, a SpecError (docs/composition.md); the Llama
+        # layer's remat is sf.remat around sf.functional's apply, which refuses its first call on a thread
+        # (test_oracle.py::test_remat_around_a_functional_apply_on_its_first_call, xfail: a bug found here)
+        remat=draw(st.booleans()) if stack != "vmap" and name != "llama_layer" else False,
         per_leaf_units=draw(st.booleans()), per_rank=draw(st.integers(1, 3)),
         opt=draw(st.sampled_from(OPTIMIZERS)), seed=draw(st.integers(0, 2 ** 16)))
 

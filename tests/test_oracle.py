@@ -159,3 +159,30 @@ def test_processes_equal_one_device(mesh):
         assert not problems, "\n".join(problems)
 
     run()
+
+
+@pytest.mark.xfail(strict=True, reason="bug found by the oracle (issue 38), not fixed: see the docstring")
+def test_remat_around_a_functional_apply_on_its_first_call():
+    """Found by the oracle: sf.remat around sf.functional's apply function refuses the first
+    call of that apply function on each thread, one device included: the apply function makes
+    its per-thread module copy (`thread_module` in shardfn/_functional.py: a deepcopy onto
+    meta, computed buffers) inside the remat'd forward, so remat's recording (a dispatch mode
+    numbering the ops) sees ops the recompute does not repeat: "at torch call #0 the forward
+    called torch.empty_like", or, with the copy hidden from torch-function modes only, "gave
+    output #0 another value than its forward" (the op numbering shifted). The second call
+    works. Under sf.shard every rank thread's first step fails. sf.functional(module,
+    remat=...) (remat per block) is not affected. Fp64."""
+    import torch
+
+    import shardfn as sf
+    from shardfn.testing.models import Block, GPTConfig
+
+    torch.manual_seed(0)
+    apply_fn, params = sf.functional(Block(GPTConfig(block_size=4, n_head=2, n_embd=8)).double())
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    plain = torch.func.grad(lambda p: (apply_fn(p, x) ** 2).mean())(params)
+    torch.manual_seed(0)
+    apply_fn, params = sf.functional(Block(GPTConfig(block_size=4, n_head=2, n_embd=8)).double())
+    forward = sf.remat(lambda p, x: apply_fn(p, x))
+    got = torch.func.grad(lambda p: (forward(p, x) ** 2).mean())(params)  # the first call of this apply_fn
+    assert oc.max_rel(got, plain) <= 1e-12
