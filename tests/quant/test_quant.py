@@ -259,3 +259,46 @@ def test_an_unchecked_encode_never_turns_a_non_finite_block_finite(spec, bad):
     y = decode(encode(x, wire, check=False), wire, 8, torch.float32)
     assert not bool(torch.isfinite(y[:4]).any()), y
     assert bool(torch.isfinite(y[4:]).all()) and (y[4:] - x[4:]).abs().max() <= bound(x[4:], wire).max()
+
+
+@pytest.mark.parametrize("into", ["tensor", "segments"])
+@pytest.mark.parametrize("spec", SPECS, ids=_id)
+def test_decode_out_on_a_partial_last_block(spec, into):
+    """decode(out=) where each segment ends in a partial block: 2 rows of 13 = 4 + 4 + 4 + 1
+    elements (block 4), in segments (6, 7) = (4 + 2) + (4 + 3), the partial blocks' values
+    1000x larger than their whole blocks' (a wrong block's scale misses the bound by far),
+    decoded into float64 views placed inside a larger buffer, whose other elements must stay."""
+    wire = Wire.of(spec, 4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(2, 13, generator=g, dtype=torch.float64) + 0.5
+    segments = (6, 7) if into == "segments" else None
+    partial = [4, 5, 10, 11, 12] if into == "segments" else [12]
+    x[:, partial] *= 1000.0
+    x = x.float()
+    rows = encode(x, wire, segments=segments)
+    sentinel = -12345.0
+    buffer = torch.full((2, 20), sentinel, dtype=torch.float64)
+    if into == "tensor":
+        out = buffer[:, 3:16]  # a view with a row stride of 20
+        assert decode(rows, wire, 13, torch.float32, out=out) is out
+        got = out
+    else:
+        out = [buffer[:, 1:7], buffer[:, 10:17]]
+        result = decode(rows, wire, 13, torch.float32, segments=segments, out=out)
+        assert result is out or list(result) == out
+        got = torch.cat(out, dim=-1)
+    touched = torch.zeros(20, dtype=torch.bool)
+    touched[3:16] = into == "tensor"
+    if into == "segments":
+        touched[1:7] = touched[10:17] = True
+    assert bool((buffer[:, ~touched] == sentinel).all()), buffer  # nothing written outside the views
+    err = (got - x.double()).abs()
+    limit = bound(x, wire, segments=segments).double()
+    assert bool((err <= limit).all()), (spec, err, limit)
+    # the partial blocks decode to their own magnitude (relative error of the format, not 1000x off)
+    rel = (err / x.double().abs())[:, partial].max().item()
+    assert rel <= {"int8": 1 / 127, torch.float8_e4m3fn: 2 ** -3, torch.float8_e5m2: 2 ** -2,
+                   torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[spec], rel
+    # and equal, after rounding into float32, what decode returns without out=
+    plain = decode(rows, wire, 13, torch.float32, segments=segments)
+    assert torch.equal(got.float(), plain)
