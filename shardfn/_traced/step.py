@@ -64,7 +64,7 @@ _BACKENDS = ("inductor", "aot_eager")
 
 
 def jit(step, opt, *, backend: str = "inductor", options: dict | None = None,
-        inplace: bool = False) -> "TracedStep":
+        inplace: bool = False, accumulate: str | None = None) -> "TracedStep":
     """Trace a `shard` step's whole train step (forward, backward, reduce-scatters,
     optimizer update) into one graph, compiled with `torch.compile(fullgraph=True)`.
 
@@ -89,6 +89,10 @@ def jit(step, opt, *, backend: str = "inductor", options: dict | None = None,
         eager) and return those same trees: no new shards or state are allocated each
         step, and inductor's update kernel stores straight into them. The trees passed in
         must not be used as the old values afterwards.
+      accumulate: None, or "reduce_each" / "reduce_once": gradient accumulation, as
+        `step.accumulate(shards, micro_batches, mode=...)` then the update, in one graph;
+        the call's batch is then a list of micro-batches (their count fixed per compile).
+        [Note: accumulation in the graph]
 
     Returns:
       A `TracedStep`; `.stats()` gives the compiled graph's collective bytes (the counts
@@ -133,14 +137,40 @@ def jit(step, opt, *, backend: str = "inductor", options: dict | None = None,
             f"supported\").\nFix: sf.jit(step, opt, backend='aot_eager') (the same graph, op by op), the 'int8' wire "
             f"format with inductor, or train eagerly with sf.train_step(step, opt)."
         )
-    return TracedStep(step, opt, backend, dict(options or {}), bool(inplace))
+    _check_accumulate(step, accumulate)
+    return TracedStep(step, opt, backend, dict(options or {}), bool(inplace), accumulate)
+
+
+def _check_accumulate(step, accumulate) -> None:
+    """[Note: accumulation in the graph]: the modes, and what they do not combine with yet."""
+    if accumulate is None:
+        return
+    if accumulate not in ("reduce_each", "reduce_once"):
+        raise SpecError(f"sf.jit: accumulate must be None, 'reduce_each' or 'reduce_once' (step.accumulate's "
+                        f"modes), got {accumulate!r}")
+    cfg = step.config
+    why = None
+    if cfg.check_finite:
+        why = "check_finite=True (its flags per micro-batch are not written in the traced step)"
+    elif cfg.batch_weighting == "global_mean":
+        why = "batch_weighting='global_mean' (the micro-batches' weights are not written in the traced step)"
+    elif accumulate == "reduce_once":
+        mp = cfg.mixed_precision
+        if mp is not None and (any(w is not None for w in mp.wires()) or
+                               (mp.reduce_dtype is not None and mp.reduce_dtype != mp.param_dtype)):
+            why = ("mode 'reduce_once' with a reduce dtype or wire format of its own (the held sums are kept in the "
+                   "compute dtype in the graph)")
+    if why is not None:
+        raise SpecError(f"sf.jit(accumulate={accumulate!r}) with {why}.\nFix: accumulate='reduce_each' where "
+                        f"that is the limit, or train eagerly with step.accumulate(...) and the optimizer.")
 
 
 class TracedStep:
     """The compiled train step of `sf.jit` (one compiled function per shard layout)."""
 
-    def __init__(self, step, opt, backend: str, options: dict, inplace: bool = False):
+    def __init__(self, step, opt, backend: str, options: dict, inplace: bool = False, accumulate: str | None = None):
         self.step, self.opt, self.backend, self.options, self.inplace = step, opt, backend, options, inplace
+        self.accumulate = accumulate
         self.record = TrafficRecord()
         self._compiled: dict[int, object] = {}
 
@@ -151,21 +181,32 @@ class TracedStep:
 
     def __call__(self, shards, opt_state, batch):
         plan = api.plan_of(self.step, shards)
-        fn = self._compiled.get(id(plan))
+        micro = self._micro_batches(batch)
+        key = (id(plan), None if micro is None else len(micro))
+        fn = self._compiled.get(key)
         if fn is None:
             check_traceable(self.step, plan)
-            fn = self._compiled[id(plan)] = self._compile(plan)
+            fn = self._compiled[key] = self._compile(plan, 1 if micro is None else len(micro))
         paths, leaves, treedef = _tree.flatten_with_paths(shards)
         api.check_shards(self.step, plan, paths, leaves, self.step.mesh.group(self.step.config.shard_axes).index)
         state_leaves, state_def = _tree.flatten(opt_state)
-        n = _batch_size(batch)
+        if micro is None:
+            n, batch = _batch_size(batch), _cast_batch(self.step.config, batch)
+        else:
+            n, batch = [_batch_size(b) for b in micro], [_cast_batch(self.step.config, b) for b in micro]
         with _tracing_config():
             try:
-                out = fn(leaves, state_leaves, _cast_batch(self.step.config, batch), n)
+                out = fn(leaves, state_leaves, batch, n)
             except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as e:
                 ours = _raised_while_tracing(e)
                 if ours is not None:
                     raise ours from e
+                if "disjoint backward regions that require recomputation" in str(e):
+                    raise SpecError(
+                        f"sf.jit(accumulate={self.accumulate!r}) with sf.remat in loss_fn: torch "
+                        f"{torch.__version__}'s compiler recomputes one backward region per graph, and each "
+                        f"micro-batch's backward is one.\nFix: accumulate=None (one micro-batch per call), drop "
+                        f"sf.remat, or train eagerly with step.accumulate(...) and the optimizer.") from e
                 raise ShardingError(_untraceable(e)) from e
         if self.step.config.check_finite:  # [Note: check_finite in the graph]
             *out, (local, reduced) = out
@@ -175,18 +216,27 @@ class TracedStep:
         new, new_state = _tree.unflatten(treedef, out[0]), _tree.unflatten(state_def, out[1])
         return (new, new_state) + tuple(out[2:])
 
-    # -- building the graph ---------------------------------------------------------------
-    def _reshard_flags(self, plan) -> tuple[bool, ...]:
-        again = self.step.config.reshard_after_forward
-        return tuple(again and not unit.is_root for unit in plan.units if unit.sharded)
+    def _micro_batches(self, batch) -> list | None:
+        if self.accumulate is None:
+            return None
+        if not isinstance(batch, (list, tuple)) or not batch:
+            raise SpecError(f"sf.jit(accumulate={self.accumulate!r}): the batch must be a non-empty list of "
+                            f"micro-batches, got {type(batch).__name__}.\nFix: train(shards, state, [mb0, mb1, ...]) "
+                            f"(e.g. list(zip(x.chunk(k), y.chunk(k))) of this rank's batch).")
+        return list(batch)
 
-    def _compile(self, plan):
+    # -- building the graph ---------------------------------------------------------------
+    def _reshard_flags(self, plan, micro: int = 1) -> tuple[bool, ...]:
+        again = self.step.config.reshard_after_forward
+        return tuple(again and not unit.is_root for unit in plan.units if unit.sharded) * micro
+
+    def _compile(self, plan, micro: int = 1):
         trees = skeleton(plan.treedef), skeleton(list_state(self.opt, plan))
         for tree in trees:  # a container `fill` cannot rebuild: a SpecError here, not inside the trace
             fill(tree, [None] * len(_tree.flatten(tree)[0]))
-        body = functools.partial(_train, _Static.of(self.step, self.inplace), self.step.loss_fn, self.opt, plan,
-                                 *trees)
-        flags, prefetch, hpz = self._reshard_flags(plan), self.step.config.prefetch, _hpz(self.step)
+        body = functools.partial(_train, _Static.of(self.step, self.inplace, self.accumulate), self.step.loss_fn,
+                                 self.opt, plan, *trees)
+        flags, prefetch, hpz = self._reshard_flags(plan, micro), self.step.config.prefetch, _hpz(self.step)
         if self.backend == "inductor":
             options = dict(self.options, post_grad_custom_pre_pass=SchedulePass(flags, self.record, prefetch, hpz),
                            post_grad_custom_post_pass=pin_pass(self.record))
@@ -319,9 +369,10 @@ class _Static(NamedTuple):
     replica_name: str | None = None  # HSDP: the group of the data axes that do not shard
     check_finite: bool = False
     all_name: str | None = None  # the group of every mesh axis (check_finite's flags)
+    accumulate: str | None = None  # step.accumulate's mode, or None
 
     @classmethod
-    def of(cls, step, inplace: bool = False) -> "_Static":
+    def of(cls, step, inplace: bool = False, accumulate: str | None = None) -> "_Static":
         cfg, mesh = step.config, step.mesh
         data = mesh.group(cfg.data_axes)
         replicas = tuple(a for a in cfg.data_axes if a not in cfg.shard_axes)
@@ -329,7 +380,7 @@ class _Static(NamedTuple):
         every = mesh.group(mesh.axis_names)
         return cls(cfg.has_aux, cfg.mixed_precision, mesh.group(cfg.shard_axes).pg.group_name,
                    data.pg.group_name, data.size, cfg.batch_weighting, inplace, replica, cfg.check_finite,
-                   every.pg.group_name if every.size > 1 else None)
+                   every.pg.group_name if every.size > 1 else None, accumulate)
 
 
 def _unpack(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
@@ -466,11 +517,27 @@ def _flags(static: _Static, plan, loss, grads: list) -> tuple[torch.Tensor, torc
     return torch.cat(local), torch.cat(reduced)
 
 
-def _train(static: _Static, loss_fn, opt, plan, skeleton, state_skeleton, leaves: list, state_leaves: list, batch,
-           n: int):
-    """The traced body: [Note: the traced step]."""
-    frozen = {layout.index for unit in plan.units if unit.frozen for layout in unit.sharded + unit.replicated}
-    live = [x.detach().requires_grad_(x.is_floating_point() and i not in frozen) for i, x in enumerate(leaves)]
+# [Note: accumulation in the graph]
+# `sf.jit(step, opt, accumulate=mode)` is eager `step.accumulate(shards, micro_batches,
+# mode=mode)` followed by the update, traced as one graph: the micro-batches' forwards and
+# backwards are unrolled in order (each gathers its units again, as each eager call does,
+# and the schedule pass sees the units' flags once per micro-batch). "reduce_each": each
+# micro-batch's gradient goes through its reduce-scatter and the whole leaves' all-reduce,
+# and the shard gradients are summed. "reduce_once": the gradient is taken at the gathered
+# full leaves and summed there; the last micro-batch's sum is pushed through its gather,
+# whose backward is the one reduce-scatter per unit (the whole leaves: one all-reduce of
+# their sums). Then grads and loss are divided by the count, as eager does: bit for bit
+# with eager under aot_eager. Refused for now: check_finite and global_mean with
+# accumulation, and reduce_once with a reduce dtype or wire format of its own.
+
+
+def _micro(static: _Static, loss_fn, plan, skeleton, live: list, batch, n: int, hold: list | None = None):
+    """One micro-batch's (or the whole batch's) part of the traced step: gather, loss,
+    gradient. Returns (grads per leaf or None, the loss mean, aux, the loss, the full
+    leaves). `hold`: [Note: accumulation in the graph] -- None: the gradient of the shard
+    leaves (through the reduce-scatter); a list: reduce_once's held sums so far (None
+    for the first) -- the gradient is taken at the gathered full leaves instead, where
+    the held sums are added, and no reduce-scatter runs."""
     full = _gather_params(static, plan, live)
     out = loss_fn(fill(skeleton, full), batch)
     loss, aux = out if static.has_aux else (out, None)
@@ -481,16 +548,78 @@ def _train(static: _Static, loss_fn, opt, plan, skeleton, state_skeleton, leaves
     else:
         weight = 1.0 / k
     wanted = [i for i, x in enumerate(live) if x.requires_grad]
-    got = torch.autograd.grad(loss * weight, [live[i] for i in wanted], allow_unused=True)
+    if hold is None:
+        got = torch.autograd.grad(loss * weight, [live[i] for i in wanted], allow_unused=True)
+    else:  # at the full leaves (sharded ones) and the whole leaves themselves
+        sharded = {layout.index for unit in plan.units for layout in unit.sharded}
+        at = [full[i] if i in sharded else live[i] for i in wanted]
+        got = torch.autograd.grad(loss * weight, at, allow_unused=True)
+        got = [g if h is None else (h if g is None else h + g) for g, h in zip(got, hold)]
     by_leaf = dict(zip(wanted, got))
-    grads = [by_leaf.get(i) if by_leaf.get(i) is not None else torch.zeros_like(x) for i, x in enumerate(leaves)]
-    flags = _flags(static, plan, loss, grads) if static.check_finite else None
-    _reduce_replicated(static, plan, leaves, grads)
+    grads = [by_leaf.get(i) for i in range(len(live))]
     if mean is None:
         mean = _loss_mean(static, loss, n)
     mp = static.mp
     if mp is not None and mp.output_dtype is not None:
         mean = mean.to(mp.output_dtype)
+    return grads, mean, aux, loss, full
+
+
+def _through_gather(plan, live: list, full: list, held: list) -> list:
+    """reduce_once's last micro-batch: the held sums pushed through that micro-batch's
+    gather (its backward is the one reduce-scatter per unit), the whole leaves' sums as
+    they are."""
+    sharded = [layout.index for unit in plan.units for layout in unit.sharded
+               if held[layout.index] is not None]
+    got = torch.autograd.grad([full[i] for i in sharded], [live[i] for i in sharded],
+                              grad_outputs=[held[i] for i in sharded], allow_unused=True)
+    out = list(held)
+    for i, g in zip(sharded, got):
+        out[i] = g
+    return out
+
+
+def _accumulated(static: _Static, loss_fn, plan, skeleton, live: list, micro_batches, sizes):
+    """[Note: accumulation in the graph] The eager `step.accumulate` then the update:
+    grads and loss are the means over micro-batches, summed in eager's order."""
+    m = len(micro_batches)
+    total, total_loss, auxes = None, None, []
+    if static.accumulate == "reduce_each":
+        for batch, n in zip(micro_batches, sizes):
+            grads, mean, aux, _, _ = _micro(static, loss_fn, plan, skeleton, live, batch, n)
+            grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, live)]
+            _reduce_replicated(static, plan, live, grads)
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+            total_loss = mean if total_loss is None else total_loss + mean
+            auxes.append(aux)
+    else:  # reduce_once: full gradients held, one reduce-scatter (and all-reduce) on the last
+        wanted = [i for i, x in enumerate(live) if x.requires_grad]
+        held = [None] * len(wanted)
+        for j, (batch, n) in enumerate(zip(micro_batches, sizes)):
+            got, mean, aux, _, full = _micro(static, loss_fn, plan, skeleton, live, batch, n, hold=held)
+            held = [got[i] for i in wanted]
+            total_loss = mean if total_loss is None else total_loss + mean
+            auxes.append(aux)
+        total = _through_gather(plan, live, full, got)
+        total = [g if g is not None else torch.zeros_like(x) for g, x in zip(total, live)]
+        _reduce_replicated(static, plan, live, total)
+    grads = [g / m for g in total]
+    return grads, total_loss / m, auxes
+
+
+def _train(static: _Static, loss_fn, opt, plan, skeleton, state_skeleton, leaves: list, state_leaves: list, batch,
+           n):
+    """The traced body: [Note: the traced step]."""
+    frozen = {layout.index for unit in plan.units if unit.frozen for layout in unit.sharded + unit.replicated}
+    live = [x.detach().requires_grad_(x.is_floating_point() and i not in frozen) for i, x in enumerate(leaves)]
+    flags = None
+    if static.accumulate is not None:
+        grads, mean, aux = _accumulated(static, loss_fn, plan, skeleton, live, batch, n)
+    else:
+        grads, mean, aux, loss, _ = _micro(static, loss_fn, plan, skeleton, live, batch, n)
+        grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, leaves)]
+        flags = _flags(static, plan, loss, grads) if static.check_finite else None
+        _reduce_replicated(static, plan, leaves, grads)
     with torch.no_grad():
         opt_state = fill(state_skeleton, state_leaves)
         updates, opt_state = opt.update(grads, opt_state, list(leaves))
