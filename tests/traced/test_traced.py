@@ -553,7 +553,6 @@ PARAMS = mlp_params(torch.Generator().manual_seed(0), [4, 4, 4])
     "options, shape, words",
     [
         ({}, {"data": 2}, "needs the distributed backend"),
-        ({"reshard_after_forward": "b"}, {"a": 2, "b": 2}, "hpZ"),
         ({"param_specs": lambda path: sf.P(None, "b") if path[-1] == "w" else sf.P(), "data_axes": "a"},
          {"a": 2, "b": 2}, "FSDP x TP"),
     ],
