@@ -39,6 +39,8 @@ raises if only some do); "global_mean" raises, since it cannot weigh.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .. import _tree
@@ -207,3 +209,48 @@ def _unweighable(group, n: int, device, unknown: int) -> str:
         f"losses cannot be weighted by their batch sizes.\nFix: give the batch tensor leaves one leading "
         f"(batch) dim, or use batch_weighting='equal' / 'mean_of_means'."
     )
+
+
+# [Note: vmap over the batch with per-rank examples]
+# `vmap(grad(step), in_dims=(None, 0))` batches the step: slot i's loss is the mean over the
+# data axes of every rank's i-th example, and its gradient reduce-scatter sums slot i over
+# the ranks (a batched collective, as in JAX). That is each example's own gradient only
+# when all ranks of the data axes hold the same examples; with the normal data-parallel
+# layout (each rank its own examples) it is the mean over ranks of their i-th examples'
+# gradients. The first vmapped call of a step on each rank checks which case it is: one
+# all-reduce (max) of two float64s, a fingerprint of the local batch and its negation, over
+# the data axes; different fingerprints warn, naming `sf.per_example_grads`. Later calls
+# and meta runs (`sf.estimate`) check nothing.
+
+
+def warn_if_examples_differ(batch, group, data_axes) -> None:
+    """[Note: vmap over the batch with per-rank examples] A UserWarning on every rank when
+    the ranks of `group` (the data axes) hold different vmapped examples."""
+    functorch = torch._C._functorch
+    leaves = []
+    for x in _tree.flatten(batch)[0]:
+        if not isinstance(x, torch.Tensor):
+            continue
+        while functorch.is_functorch_wrapped_tensor(x):
+            x = functorch.get_unwrapped(x)
+        if x.is_meta or type(x) not in (torch.Tensor, torch.nn.Parameter):  # meta or fake: nothing to read
+            return
+        leaves.append(x)
+    if not leaves or group.size == 1:
+        return
+    with torch._C._DisableFuncTorch(), torch.no_grad():
+        h = torch.zeros((), dtype=torch.float64, device=leaves[0].device)
+        for x in leaves:
+            flat = x.detach().reshape(-1).to(torch.float64)
+            h = h + flat.sum() + (flat * torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64,
+                                                         device=flat.device)).sum()
+        both = ops.all_reduce(group, torch.stack([h, -h]), "max")
+    if float(both[0]) != -float(both[1]):
+        warnings.warn(
+            f"shard: vmap over the batch with different examples on the ranks of the data axes {list(data_axes)}: "
+            f"vmap slot i of the step is the mean over those ranks of their i-th examples (its gradient "
+            f"reduce-scatter sums slot i over the ranks), not one example's gradient.\nFor every example's own "
+            f"gradient, use sf.per_example_grads(step, shards, batch) (each shard owner receives every example's "
+            f"block; docs/autodiff.md §12). If the mean per slot is what you want, this warning can be filtered "
+            f"(it is raised on the first vmapped call only).", UserWarning, stacklevel=3)
+

@@ -28,7 +28,7 @@ from . import funcgrad, tp
 from .config import Config, MixedPrecision, make_config
 from .plan import Plan, build_plan, in_unit_buffers
 from . import support
-from .batch import UNKNOWN, batch_is_vmapped, local_batch_size, micro_batch_weights
+from .batch import UNKNOWN, batch_is_vmapped, local_batch_size, micro_batch_weights, warn_if_examples_differ
 from .reduce import Stats
 from .runtime import RankState
 from .schedule import StepMode
@@ -52,6 +52,7 @@ class Shard:
         self._lock = threading.Lock()
         self._last_plan: Plan | None = None
         self._states: dict[tuple[int, int], RankState] = {}
+        self._vmap_checked: set[int] = set()  # ranks whose first vmapped call checked the examples
         self.__wrapped__ = loss_fn
 
     # -- params <-> shards ----------------------------------------------------------------
@@ -286,6 +287,13 @@ class Shard:
         return grads, ((mean_loss, auxes) if self.config.has_aux else mean_loss)
 
     # -- the step -------------------------------------------------------------------------
+    def _first_vmapped_call(self, rank: int) -> bool:
+        """True once per rank: [Note: vmap over the batch with per-rank examples] in batch.py."""
+        with self._lock:
+            first = rank not in self._vmap_checked
+            self._vmap_checked.add(rank)
+        return first
+
     def _plan_for(self, shards) -> Plan:
         treedef = _tree.flatten(shards)[1]
         plan = self._plans.get((self._rank(), treedef))
@@ -377,6 +385,8 @@ class Shard:
         state.batch_size = local_batch_size(batch)  # for the loss mean ([Note: the batch size rides on ...])
         if state.batch_size == UNKNOWN and self.config.batch_weighting == "global_mean" and batch_is_vmapped(batch):
             support.refused_here("vmap", "global_mean")  # [Note: the composition table]
+        if batch_is_vmapped(batch) and self._first_vmapped_call(mesh.rank):
+            warn_if_examples_differ(batch, mesh.group(self.config.data_axes), self.config.data_axes)
         state.begin_step(leaves)
         view = make_view(treedef, len(leaves), state.leaf)
         try:

@@ -8,6 +8,7 @@ documented per-block seeds, divide by B).
 """
 
 import math
+import warnings
 
 import optree
 import pytest
@@ -141,10 +142,38 @@ def test_vmap_of_grad_of_the_step_is_the_mean_over_ranks_of_each_slot():
         return torch.func.vmap(torch.func.grad(step), in_dims=(None, 0))(shards, local(batch, n, mesh.rank))
 
     per_slot_mean = optree.tree_map(lambda g: (g[:B_LOCAL] + g[B_LOCAL:]) / 2, ref_grads)  # (B_LOCAL, *shape)
-    for r, slots in enumerate(mesh.run(body)):
+    with pytest.warns(UserWarning, match=r"different examples on the ranks of the data axes \['data'\].*"
+                                         r"\n.*use sf.per_example_grads\(step, shards, batch\)") as caught:
+        results = mesh.run(body)
+    assert sum("sf.per_example_grads" in str(w.message) for w in caught) == n  # once per rank
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        mesh.run(body)  # the first vmapped call only
+    assert not [w for w in again if "sf.per_example_grads" in str(w.message)]
+    for r, slots in enumerate(results):
         assert max_diff(slots, owners_view(per_slot_mean, n, r)) <= 1e-12
         own = optree.tree_map(lambda g: g[r * B_LOCAL:(r + 1) * B_LOCAL], ref_grads)
         assert max_diff(slots, owners_view(own, n, r)) > 1e-2
+
+
+def test_vmap_of_grad_with_the_same_examples_on_every_rank_does_not_warn():
+    """The layout of examples/per_example_grads.py: every rank of the data axes vmaps over the
+    same examples, so slot i is example i's gradient and nothing is wrong."""
+    n = 2
+    params, batch = problem(n)
+    mesh = mesh_for({"data": n})
+    step = sf.shard(loss_fn, mesh)
+    ref_grads, _, _ = reference(params, batch)
+
+    def body():
+        return torch.func.vmap(torch.func.grad(step), in_dims=(None, 0))(step.shard_params(params), batch)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = mesh.run(body)
+    assert not [w for w in caught if "sf.per_example_grads" in str(w.message)]
+    for r, grads in enumerate(results):
+        assert max_diff(grads, owners_view(ref_grads, n, r)) <= 1e-12
 
 
 # -- DP-SGD -------------------------------------------------------------------------------
