@@ -12,6 +12,7 @@ to fp64 rounding at every inner step, the outer steps included.
 
 import copy
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -108,41 +109,52 @@ class Died(Exception):
     pass
 
 
-def ft_replica(r: int, lighthouse: str, logs: list, finals: dict, die_at=None, alone=None) -> None:
-    """One replica (its own 1-rank mesh) under sf.diloco(replicas=<its torchft Manager>)."""
-    mesh = sf.local_mesh({"shard": 1}, timeout=30)
+def ft_replica(r: int, shards_per_replica: int, lighthouse: str, logs: list, finals: dict, die_at=None,
+               alone=None, start=None, back=None) -> None:
+    """One replica (its own mesh {"shard": S}, one torchft Manager per rank) under
+    sf.diloco(replicas=<the rank's Manager>)."""
+    mesh = sf.local_mesh({"shard": shards_per_replica}, timeout=30)
     step = sf.shard(loss_fn, mesh, data_axes="shard")
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
 
     def body():
         torch.set_num_threads(1)
+        me = mesh.rank
         manager = Manager(
             pg=ProcessGroupGloo(), min_replica_size=1, use_async_quorum=False, init_sync=False,
-            load_state_dict=lambda sd: train.load_state_dict(sd, rank=0), state_dict=lambda: train.state_dict(rank=0),
-            replica_id=str(r), store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+            load_state_dict=lambda sd: train.load_state_dict(sd, rank=me), state_dict=lambda: train.state_dict(rank=me),
+            replica_id=str(r), store_addr="localhost", store_port=store.port, rank=me, world_size=shards_per_replica,
             lighthouse_addr=lighthouse, port=0, connect_timeout=timedelta(seconds=20),
             quorum_timeout=timedelta(seconds=30), timeout=timedelta(seconds=20))
         train = sf.diloco(step, sf.optim.adamw(LR, weight_decay=WD), sync_every=H2, outer_lr=OUTER_LR,
                           outer_momentum=OUTER_MOMENTUM, replicas=manager)
+        if start is not None:  # both replicas' Managers heartbeat before the first quorum: one quorum of two,
+            start.wait(60)  # not two of one (min_replicas=1 would let each form its own)
+            time.sleep(0.5)
+        if back is not None and alone is None:  # the replacement: its Manager heartbeats; replica 0 may go on
+            time.sleep(0.5)
+            back.set()
         try:
             shards = step.shard_params(init())
             state = train.init(shards)
             while manager.current_step() < OUTER_STEPS:
                 if die_at is not None and state.count == die_at:
                     raise Died(f"replica {r} lost")
-                shards, state, _ = train(shards, state, batch(state.count, r))
-                if alone is not None and manager.current_step() >= 4:
-                    alone.set()  # replica 0 took steps 2 and 3 alone: let the replacement start
+                shards, state, _ = train(shards, state, batch(state.count, r * shards_per_replica + me))
+                if alone is not None and manager.current_step() >= 4 and not alone.is_set():
+                    alone.set()  # replica 0 took steps 2 and 3 alone: let the replacement start,
+                    assert back.wait(60)  # and wait for it (it would otherwise finish alone first)
             full = step.unshard_params(shards)
             return [full["layers"][0]["w"], full["layers"][0]["b"], full["layers"][1]["w"]], state.count
         finally:
-            logs.append((r, list(train.log)))
+            if me == 0:
+                logs.append((r, list(train.log)))
             manager.shutdown(wait=False)
 
     finals[r] = mesh.run(body)[0]
 
 
-def reference_with_membership(participants: dict[int, int], healed_at: int) -> list:
+def reference_with_membership(participants: dict[int, int], healed_at: int, shards_per_replica: int) -> list:
     """Replica 0's parameters after OUTER_STEPS outer steps, replica 1 taking part where
     `participants[k] == 2` and healed (a copy of replica 0, not taking part) at step `healed_at`."""
     leaves = lambda tree: [tree["layers"][0]["w"], tree["layers"][0]["b"], tree["layers"][1]["w"]]  # noqa: E731
@@ -155,7 +167,8 @@ def reference_with_membership(participants: dict[int, int], healed_at: int) -> l
         for r in range(R):
             for i in range(H2):
                 opts[r].zero_grad()
-                loss_fn(params[r], batch(k * H2 + i, r)).backward()
+                n = shards_per_replica
+                (sum(loss_fn(params[r], batch(k * H2 + i, r * n + s)) for s in range(n)) / n).backward()
                 opts[r].step()
         with torch.no_grad():
             if k == healed_at:  # replica 1 gets replica 0's state (parameters and AdamW's)
@@ -173,27 +186,30 @@ def reference_with_membership(participants: dict[int, int], healed_at: int) -> l
 
 
 @pytest.mark.slow
-def test_a_lost_replica_is_healed_from_its_peer_through_torchft():
+@pytest.mark.parametrize("shards_per_replica", [1, 2])
+def test_a_lost_replica_is_healed_from_its_peer_through_torchft(shards_per_replica):
     """Replica 1 dies in outer period 2; replica 0 goes on alone (no restart) for outer steps
     2 and 3 at least; replica 1 restarts from scratch, is healed from replica 0 at a quorum (its shards and both
     optimizers' states, through the Manager's checkpoint transport), and both finish equal.
     Replica 0's parameters equal the fp64 reference that averaged over the replicas that
     took part in each outer step (as torchft's logs say), to rounding."""
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000)
+    start = threading.Barrier(R * shards_per_replica)
     logs, finals, errors = [], {}, {}
 
-    alone = threading.Event()
+    alone, back = threading.Event(), threading.Event()
 
     def run_replica(r):
         try:
             if r == 1:
                 try:
-                    ft_replica(1, lighthouse.address(), logs, finals, die_at=DIE_AT)
+                    ft_replica(1, shards_per_replica, lighthouse.address(), logs, finals, die_at=DIE_AT, start=start)
                 except Died:
                     assert alone.wait(120)
-                    ft_replica(1, lighthouse.address(), logs, finals)  # the replacement
+                    ft_replica(1, shards_per_replica, lighthouse.address(), logs, finals, back=back)  # the replacement
             else:
-                ft_replica(0, lighthouse.address(), logs, finals, alone=alone)
+                ft_replica(0, shards_per_replica, lighthouse.address(), logs, finals, alone=alone, start=start,
+                           back=back)
         except BaseException as err:  # noqa: BLE001
             errors[r] = err
 
@@ -217,7 +233,7 @@ def test_a_lost_replica_is_healed_from_its_peer_through_torchft():
     # (healed at a synchronous quorum, the replacement takes part with its peer's state: the
     # mean of two equal deltas is that delta, exactly)
     # the survivors' trajectory: the reference that averaged over the replicas that took part
-    want = reference_with_membership(participants, healed[0])
+    want = reference_with_membership(participants, healed[0], shards_per_replica)
     assert max_diff(finals[0][0], want) < 1e-13, (max_diff(finals[0][0], want), participants)
     # the healed replica equals its peer
     assert max_diff(finals[1][0], finals[0][0]) == 0.0 and finals[1][1] == finals[0][1] == OUTER_STEPS * H2
