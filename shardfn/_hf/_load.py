@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any, Mapping
 
 import torch
@@ -93,8 +94,15 @@ def _resolve(key: str, names: Mapping[str, str], tails: Mapping[str, str], alias
     return None
 
 
+_BUILD = threading.Lock()  # the rank threads of a simulated mesh build it at once
+
+
 def _checkpoint_model(path: str, config: dict):
-    """The checkpoint's model class on the meta device (for its conversion table), or None."""
+    """The checkpoint's model class on the meta device (for its conversion table), or None.
+
+    Built by the class's constructor (its parameters' dtype does not matter here): transformers'
+    `from_config` sets the process-wide default dtype around the build and puts back what it
+    found, which, from several rank threads at once, left another thread's dtype behind."""
     if not config.get("model_type"):
         return None
     try:
@@ -103,8 +111,10 @@ def _checkpoint_model(path: str, config: dict):
         cfg = transformers.AutoConfig.from_pretrained(path)
         cls = next((getattr(transformers, a) for a in config.get("architectures") or [] if hasattr(transformers, a)),
                    None)
-        with torch.device("meta"):
-            return cls._from_config(cfg) if cls is not None else transformers.AutoModel.from_config(cfg)
+        with _BUILD, torch.device("meta"):
+            if cls is None:
+                cls = transformers.AutoModel._model_mapping[type(cfg)]
+            return cls(cfg)
     except Exception:  # noqa: BLE001 - no model to ask: the names are taken as they are
         return None
 
