@@ -149,7 +149,24 @@ def _optimizer(name: str, lr):
             "adamw": lambda: optim.adamw(lr, weight_decay=0.1), "lion": lambda: optim.lion(lr)}[name]()
 
 
-def run_stack(stack: str, f, params, batch, *, full, closed: bool, v, tb, c, lr, opt: str = "sgd", f_outer=None):
+def first_step(name: str, lr, grads, params):
+    """One step of the optimizer from its initial state, written out in plain torch (the
+    one-device reference does not use shardfn.optim, so a bug there cannot hide in both
+    sides): sgd -lr g; adam -lr m/(sqrt v + eps) with the bias-corrected m = g, v = g^2;
+    adamw that plus wd p; lion -lr sign((1 - b1) g)."""
+    def one(g, p):
+        if name == "sgd":
+            return -lr * g
+        if name == "lion":
+            return -lr * torch.sign((1 - 0.9) * g)
+        step = g / (torch.sqrt(g * g) + 1e-8)
+        return -lr * (step + 0.1 * p) if name == "adamw" else -lr * step
+
+    return sf._tree.tree_map(one, grads, params)
+
+
+def run_stack(stack: str, f, params, batch, *, full, closed: bool, v, tb, c, lr, opt: str = "sgd", f_outer=None,
+              plain_optimizer: bool = False):
     """Apply `stack` to `f(params, batch)`; return a dict of full trees / tensors.
 
     v: a tangent / probe shaped like `params`; tb: a tangent (or cotangent) for the batch;
@@ -202,6 +219,8 @@ def run_stack(stack: str, f, params, batch, *, full, closed: bool, v, tb, c, lr,
         f_outer = f_outer or f
 
         def after(lr, p, b):
+            if plain_optimizer:
+                return f_outer(sf._tree.tree_map(torch.add, p, first_step(opt, lr, func.grad(f)(p, b), p)), b)
             o = _optimizer(opt, lr)
             updates, _ = o.update(func.grad(f)(p, b), o.init(p), p)
             return f_outer(optim.apply_updates(p, updates), b)
@@ -362,7 +381,7 @@ def check_shard_case(case: ShardCase, mesh=None) -> list[str]:
     if problems:
         return problems
     want = run_stack(case.stack, loss_fn, params, whole, full=lambda t: _unfrozen(kwargs, t), v=v_full,
-                     tb=tb_whole, **common)
+                     tb=tb_whole, plain_optimizer=True, **common)
     for r, (_, got, index) in enumerate(results):
         problems += compare(got, want, rank=r, index=index, per_rank=case.per_rank, n_data=n_data)
     return problems
