@@ -222,7 +222,9 @@ def load_shards(step, path, like: Any, *, cast: bool = False, key_map: KeyMap = 
                 tails[rest] = None if rest in tails else name  # None: ambiguous
         tails = {k: v for k, v in tails.items() if v is not None}
         parts = _pieces(path, keys, shapes, metas, key_map, model)
-        flat = [(i, piece, _resolve(piece.name, index, tails, aliases)) for i in range(len(keys)) for piece in parts[i]]
+        legacy = _legacy_names(index) if key_map is None else {}
+        flat = [(i, piece, _resolve(piece.name, index, tails, aliases) or legacy.get(piece.name))
+                for i in range(len(keys)) for piece in parts[i]]
         _check_keys(path, index, flat, paths, metas, {to_file(k) for k in tied or {}}, strict)
         headers: dict[str, Header] = {}
         for file in sorted({index[s] for _, _, s in flat}):
@@ -274,6 +276,24 @@ def _pieces(path: str, keys, shapes, metas, key_map, model) -> list[list[Piece]]
     if model is None:
         return [identity(k, s) for k, s in zip(keys, shapes)]
     return pieces(model, keys, shapes, [m.dtype for m in metas])
+
+
+def _legacy_names(index) -> dict[str, str]:
+    """{today's name: the file's} for the file's names that transformers' legacy renames
+    change on load (`LayerNorm.gamma` / `beta` of old BERT checkpoints, weight-norm's
+    `weight_g` / `weight_v`), as `from_pretrained` applies them."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import apply_renamings
+    except ImportError:
+        return {}
+    renamings = get_checkpoint_conversion_mapping("legacy") or []
+    out = {}
+    for name in index:
+        renamed = apply_renamings(name, renamings)
+        if renamed != name:
+            out[renamed] = name
+    return out
 
 
 def _check_keys(path, index, flat, paths, metas, tied, strict) -> None:

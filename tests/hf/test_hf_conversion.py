@@ -106,3 +106,32 @@ def test_a_converted_checkpoint_with_a_key_map_takes_the_map_as_it_is(tmp_path):
     back = mesh.run(lambda: step.unshard_params(sf.hf.load_shards(
         step, str(tmp_path), like, key_map={"lm_head.weight": "embed_out.weight"})))[0]
     assert torch.equal(back["lm_head"]["weight"], model.lm_head.weight)
+
+
+@pytest.mark.slow
+def test_legacy_names_load_as_from_pretrained_loads_them(tmp_path):
+    # an old BERT checkpoint names its LayerNorms' parameters gamma / beta; transformers
+    # renames them on load (its "legacy" renames), and so does load_shards
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32)).eval()
+    model.save_pretrained(str(tmp_path))
+    file = os.path.join(str(tmp_path), "model.safetensors")
+    tensors = load_file(file)
+    old = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+           for k, v in tensors.items()}
+    assert sum("gamma" in k for k in old) == 6
+    save_file(old, file, metadata={"format": "pt"})
+    again = transformers.BertForMaskedLM.from_pretrained(str(tmp_path))
+    assert torch.equal(again.bert.embeddings.LayerNorm.weight, model.bert.embeddings.LayerNorm.weight)
+    with torch.device("meta"):
+        _, like = sf.functional(transformers.BertForMaskedLM(model.config))
+    _, params = sf.functional(model)
+    mesh = sf.local_mesh({"data": 2})
+    step = sf.shard(lambda p, x: x.sum(), mesh)
+    back = mesh.run(lambda: step.unshard_params(sf.hf.load_shards(step, str(tmp_path), like)))[0]
+    assert all(torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(back),
+                                                 torch.utils._pytree.tree_leaves(params)))
