@@ -11,6 +11,11 @@ that example's gradient. The mesh is therefore {'replica': 2, 'shard': 2} with
 two 'shard' ranks of a replica see the same examples, and the two replicas see different
 examples (data parallelism over 'replica'; we sum their clipped gradients ourselves).
 
+With the normal data-parallel layout (every rank its own examples), vmap slot i would be
+the mean over ranks of their i-th examples' gradients (the step's first vmapped call warns):
+use `sf.per_example_grads(step, shards, batch)` and `sf.optim.dp_aggregate` instead, which
+send each shard owner its block of every example's gradient (docs/autodiff.md §12).
+
 DP-SGD (Abadi et al., 2016), per step: per-example gradients g_i; clip each to norm C:
 g_i * min(1, C / ||g_i||); sum; add N(0, (sigma C)^2) noise; divide by the batch size.
 The norm ||g_i|| of a sharded gradient is sqrt(psum over 'shard' of the shards' squared
