@@ -27,7 +27,7 @@ import sys
 
 from ._backend.flight import dump, dump_dir, set_dump_dir, step
 
-__all__ = ["set_dump_dir", "dump_dir", "dump", "step", "load", "analyze", "Finding", "main"]
+__all__ = ["set_dump_dir", "dump_dir", "dump", "step", "load", "analyze", "report", "Finding", "main"]
 
 
 def load(path: str) -> dict[int, dict]:
