@@ -127,6 +127,26 @@ def test_every_example_gradient_as_the_owners_hold_it_equals_one_device(n):
         assert results[3][0]["layers"][2]["w"].shape == (n * B_LOCAL, 0, SIZES[-1])
 
 
+def test_two_data_axes_order_the_examples_by_the_shard_group_index():
+    """data_axes=('b', 'a') on a {'a': 2, 'b': 2} mesh: the shard group is row-major over
+    ('b', 'a'), and example r * B_LOCAL + i is example i of the rank at index r of it."""
+    n = 4
+    params, batch = problem(n)
+    ref_grads, ref_sq, _ = reference(params, batch)
+    mesh = mesh_for({"a": 2, "b": 2})
+    step = sf.shard(loss_fn, mesh, data_axes=("b", "a"))
+
+    def body():
+        r = mesh.group(("b", "a")).index
+        assert r == mesh.coords["b"] * 2 + mesh.coords["a"]
+        out = sf.per_example_grads(step, step.shard_params(params), local(batch, n, r))
+        return r, out.grads, out.sq_norms
+
+    for r, grads, sq in mesh.run(body):
+        assert max_diff(grads, owners_view(ref_grads, n, r)) <= 1e-10
+        assert (sq - ref_sq).abs().max().item() <= 1e-10
+
+
 def test_vmap_of_grad_of_the_step_is_the_mean_over_ranks_of_each_slot():
     """What `vmap(grad(step), in_dims=(None, 0))` means with per-rank examples (the docs say
     so): slot i is the mean over ranks of their i-th examples' gradients, far from rank r's
