@@ -468,7 +468,15 @@ def test_two_processes_gloo():
 
 
 def test_zz_print_measurements(capsys):
-    """Not a check: the figures the docs quote (run with -s to see them)."""
+    """The figures the docs quote (run with -s to see them), checked as printed: finite, and
+    every normalized error within its wire's bound (the tests that measured them checked
+    each as it came; this checks the table the docs copy)."""
+    bounds = {_id(spec): c for spec, c in C.items()}
     with capsys.disabled():
         for key, value in sorted(MEASURED.items(), key=str):
             print("qgZ measured", key, value)
+    for key, value in MEASURED.items():
+        numbers = value if isinstance(value, tuple) else (value,)
+        assert all(math.isfinite(v) and v >= 0 for v in numbers), (key, value)
+        if isinstance(key[1], int) or key[1] in ("N=2 vs N=4", "hsdp2x2"):  # error / G
+            assert 0 < max(numbers) <= bounds[key[0]] * (1 + 1e-5), (key, value)
