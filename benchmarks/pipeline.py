@@ -85,7 +85,7 @@ def _rank_body(cfg: dict):
             continue
         pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=M, schedule=name, virtual_stages=V,
                            mesh=stage_mesh)
-        local = pipe.scatter_params(dict(shared, layers=sf.stack_layers(rows, V)))
+        local = pipe.scatter_params(dict(shared, layers=sf.pipeline.stack_layers(rows, V)))
         opt = sf.optim.adamw(1e-3)
         state = [local, opt.init(local)]
         train = sf.train_step(pipe, opt, inplace=True)

@@ -115,7 +115,7 @@ def train(mesh, cfg: Config, args, params, data):
     pipe = sf.pipeline(make_block(cfg.n_head), pre=embed, post=head_loss, microbatches=cfg.microbatches,
                        schedule=args.schedule, virtual_stages=args.virtual_stages)
     step = sf.shard(pipe, mesh, data_axes="data")  # FSDP over 'data' of each stage's part
-    stacked = dict(params, layers=sf.stack_layers(params["layers"], args.virtual_stages))
+    stacked = dict(params, layers=sf.pipeline.stack_layers(params["layers"], args.virtual_stages))
     layer_spec = sf.P("stage") if args.virtual_stages == 1 else sf.P(None, "stage")
     local = dict(stacked, layers=torch.utils._pytree.tree_map(lambda x: sf.scatter(x, mesh, layer_spec),
                                                              stacked["layers"]))  # this stage's layers

@@ -41,13 +41,7 @@ from ._mesh import init_mesh as init_mesh
 from ._mesh import local_mesh as local_mesh
 from ._per_example import PerExampleGrads as PerExampleGrads
 from ._per_example import per_example_grads as per_example_grads
-from ._pipeline import Action as PipelineAction
-from ._pipeline import Pipeline as Pipeline
-from ._pipeline import Schedule as PipelineSchedule
-from ._pipeline import make_schedule as pipeline_schedule
-from ._pipeline import pipeline as pipeline
-from ._pipeline import stack_layers as stack_layers
-from ._pipeline import unstack_layers as unstack_layers
+from . import pipeline as pipeline  # a namespace that is also the transform: sf.pipeline(...), sf.pipeline.schedule(...)
 from ._remat import policies as remat_policies
 from ._remat import remat as remat
 from ._remat import tag as tag
@@ -76,9 +70,6 @@ __all__ = [
     "P",
     "PartitionSpec",
     "PerExampleGrads",
-    "Pipeline",
-    "PipelineAction",
-    "PipelineSchedule",
     "RankAbortedError",
     "Shard",
     "ShardingError",
@@ -102,7 +93,6 @@ __all__ = [
     "optim",
     "per_example_grads",
     "pipeline",
-    "pipeline_schedule",
     "pmax",
     "pmean",
     "pmin",
@@ -116,14 +106,12 @@ __all__ = [
     "scatter",
     "shard",
     "shard_map",
-    "stack_layers",
     "tag",
     "testing",
     "traced_apply",
     "train_step",
     "diloco",
     "local_sgd",
-    "unstack_layers",
     "visualize_sharding",
 ]
 
@@ -139,6 +127,13 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module("." + name, __name__)  # also binds shardfn.<name>
+    if name in pipeline.FLAT:  # the flat pipeline names of earlier releases
+        import warnings
+
+        new = pipeline.FLAT[name]
+        warnings.warn(f"sf.{name} is sf.pipeline.{new} now (the pipeline API is one namespace, like sf.nn)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(pipeline, new)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -254,7 +254,7 @@ def make_schedule(name: str, stages: int, microbatches: int, virtual_stages: int
     key = name.lower().replace("_", "-")
     if key not in SCHEDULES:
         raise ShardingError(f"sf.pipeline: unknown schedule {name!r}.\nFix: one of {list(SCHEDULES)}, or a "
-                            f"sf.PipelineSchedule you built.")
+                            f"sf.pipeline.Schedule you built.")
     for what, v in (("stages", stages), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if not isinstance(v, int) or v < 1:
             raise ShardingError(f"sf.pipeline: {what} must be a positive int, got {v!r}.\nFix: e.g. "

@@ -86,7 +86,7 @@ def local_layer_count(local_leaves: list[torch.Tensor], virtual_stages: int, whe
             raise ShardingError(f"{where}: a stacked layer leaf of shape {tuple(x.shape)} lacks the leading "
                                 f"{'(V, layers)' if dims == 2 else '(layers,)'} dims of virtual_stages="
                                 f"{virtual_stages}.\nFix: build params['layers'] with "
-                                f"sf.stack_layers(layers, virtual_stages={virtual_stages}) and scatter it with "
+                                f"sf.pipeline.stack_layers(layers, virtual_stages={virtual_stages}) and scatter it with "
                                 f"pipe.scatter_params(params).")
         counts.add(int(x.shape[dims - 1]))
     if len(counts) != 1:

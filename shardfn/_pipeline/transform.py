@@ -305,7 +305,7 @@ def pipeline(layer_fn: Callable, *, post: Callable, microbatches: int, schedule:
         and the loss), run on the last stage.
       microbatches: `M`, how many microbatches each batch is cut into along dim 0.
       schedule: "gpipe", "1f1b", "interleaved" (with `virtual_stages >= 2`), "zb-h1", or
-        a `Schedule` you built (see `sf.pipeline_schedule`).
+        a `Schedule` you built (see `sf.pipeline.schedule`).
       mesh_axis: the mesh axis the stages lie on.
       virtual_stages: `V` chunks of layers per rank (interleaved 1F1B).
       pre: `pre(pre_params, microbatch) -> x` (the embedding), run on the first stage;

@@ -58,10 +58,10 @@ def check_against_one_device(schedule: str, V: int, p: int, M: int, how: str = "
     shared, layers = make_params(n_layers)
     batch = make_batch(2 * M)
     want_grads, want_loss = torch.func.grad_and_value(reference_loss)(dict(shared, layers=layers), batch)
-    want = dict(want_grads, layers=sf.stack_layers(want_grads["layers"], V))
+    want = dict(want_grads, layers=sf.pipeline.stack_layers(want_grads["layers"], V))
     mesh = sf.local_mesh({"stage": p})
     pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=M, schedule=schedule, virtual_stages=V, mesh=mesh)
-    params = dict(shared, layers=sf.stack_layers(layers, V))
+    params = dict(shared, layers=sf.pipeline.stack_layers(layers, V))
     specs = pipe.specs(params)
 
     def body():
@@ -111,7 +111,7 @@ def test_eval_call_without_grad_gives_the_loss_only():
     batch = make_batch(6)
     mesh = sf.local_mesh({"stage": 2})
     pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=3, mesh=mesh)
-    params = dict(shared, layers=sf.stack_layers(layers))
+    params = dict(shared, layers=sf.pipeline.stack_layers(layers))
     want = float(reference_loss(dict(shared, layers=layers), batch))
     losses = mesh.run(lambda: float(pipe(pipe.scatter_params(params), batch)))
     assert all(abs(x - want) <= 1e-12 for x in losses)
@@ -130,7 +130,7 @@ def adamw_reference(shared, layers, batch, steps: int = 5) -> dict:
         reference_loss(ref, batch).backward()
         opt.step()
     ref = torch.utils._pytree.tree_map(lambda t: t.detach(), ref)
-    return dict(ref, layers=sf.stack_layers(ref["layers"]))
+    return dict(ref, layers=sf.pipeline.stack_layers(ref["layers"]))
 
 
 def pp_fsdp_adamw(mesh, params, batch, steps: int = 5) -> dict:
@@ -152,7 +152,7 @@ def test_five_adamw_steps_of_pipeline_x_fsdp_equal_one_device():
     shared, layers = make_params(4)
     batch = make_batch(16)
     want = adamw_reference(shared, layers, batch)
-    params = dict(shared, layers=sf.stack_layers(layers))
+    params = dict(shared, layers=sf.pipeline.stack_layers(layers))
     for got in run_on_mesh(lambda mesh: pp_fsdp_adamw(mesh, params, batch), {"stage": 2, "data": 2}):
         assert max_error(got, want) <= 1e-9
 
@@ -167,7 +167,7 @@ def _local(params, mesh):
 
 def test_bubbles_from_the_schedules_match_theory_and_zb_h1_beats_1f1b():
     p, M = 4, 8
-    s = {name: sf.pipeline_schedule(name, p, M, V) for name, V in SCHEDULES}
+    s = {name: sf.pipeline.schedule(name, p, M, V) for name, V in SCHEDULES}
     for name in ("gpipe", "1f1b"):
         assert s[name].bubble() == pytest.approx([(p - 1) / (M + p - 1)] * p, abs=1e-12)
     assert s["zb-h1"].bubble() == pytest.approx([(p - 1) / (3 * M + p - 1)] * p, abs=1e-12)  # 3/27
@@ -193,7 +193,7 @@ def _megatron_interleaved_order(p, M, V, rank):
         return (k // (p * V)) * p + k % p
 
     def act(kind, k):  # model chunk v of this rank is the global chunk v * p + rank
-        return sf.PipelineAction(kind, microbatch(k), chunk_id(k, kind == "F") * p + rank)
+        return sf.pipeline.Action(kind, microbatch(k), chunk_id(k, kind == "F") * p + rank)
 
     order = [act("F", k) for k in range(warmup)]
     for k in range(total - warmup):
@@ -204,8 +204,8 @@ def _megatron_interleaved_order(p, M, V, rank):
 def _textbook_order(name, p, M, rank):
     """GPipe: every forward, then every backward; 1F1B (PipeDream-Flush, Megatron's
     non-interleaved schedule): p - rank - 1 warm-up forwards, 1F1B pairs, cool-down."""
-    F = [sf.PipelineAction("F", mb, rank) for mb in range(M)]
-    B = [sf.PipelineAction("B", mb, rank) for mb in range(M)]
+    F = [sf.pipeline.Action("F", mb, rank) for mb in range(M)]
+    B = [sf.pipeline.Action("B", mb, rank) for mb in range(M)]
     if name == "gpipe":
         return F + B
     warmup = min(p - rank - 1, M)
@@ -217,7 +217,7 @@ def _textbook_order(name, p, M, rank):
 
 @pytest.mark.parametrize("p,M", [(2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 12)])
 def test_interleaved_order_is_megatrons_and_its_bubble_the_formula(p, M):
-    s = sf.pipeline_schedule("interleaved", p, M, 2)
+    s = sf.pipeline.schedule("interleaved", p, M, 2)
     assert [list(acts) for acts in s.actions] == [_megatron_interleaved_order(p, M, 2, r) for r in range(p)]
     assert s.bubble() == pytest.approx([(p - 1) / (2 * M + p - 1)] * p, abs=1e-12)
     assert s.total_slots == 3 * 2 * M + 3 * (p - 1)  # every rank: M*V forwards + M*V double backwards + fill/drain
@@ -226,7 +226,7 @@ def test_interleaved_order_is_megatrons_and_its_bubble_the_formula(p, M):
 
 def test_interleaved_order_spelled_out_for_two_stages():
     """p = 2, M = 4, V = 2, read off Megatron's loop by hand (chunk 2 / 3 = rank 0 / 1's second chunk)."""
-    s = sf.pipeline_schedule("interleaved", 2, 4, 2)
+    s = sf.pipeline.schedule("interleaved", 2, 4, 2)
     assert [repr(a) for a in s.actions[0]] == "F0 F1 F0.2 F1.2 F2 B0.2 F3 B1.2 F2.2 B0 F3.2 B1 B2.2 B3.2 B2 B3".split()
     assert [repr(a) for a in s.actions[1]] == \
         "F0.1 F1.1 F0.3 B0.3 F1.3 B1.3 F2.1 B0.1 F3.1 B1.1 F2.3 B2.3 F3.3 B3.3 B2.1 B3.1".split()
@@ -235,17 +235,17 @@ def test_interleaved_order_spelled_out_for_two_stages():
 @pytest.mark.parametrize("p,M", [(2, 1), (2, 4), (4, 3), (4, 8)])
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_gpipe_and_1f1b_orders_are_the_textbook_ones(name, p, M):
-    s = sf.pipeline_schedule(name, p, M)
+    s = sf.pipeline.schedule(name, p, M)
     assert [list(acts) for acts in s.actions] == [_textbook_order(name, p, M, r) for r in range(p)]
 
 
 def test_zb_h1_order_is_pinned():
     """ZB-H1 (Qi et al. 2023): 1F1B's warm-up, B (input gradient) right after its F where it can,
     each W deferred into a slot where the rank would otherwise wait."""
-    s = sf.pipeline_schedule("zb-h1", 2, 4)
+    s = sf.pipeline.schedule("zb-h1", 2, 4)
     assert [repr(a) for a in s.actions[0]] == "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3".split()
     assert [repr(a) for a in s.actions[1]] == "F0.1 B0.1 F1.1 B1.1 W0.1 F2.1 B2.1 W1.1 F3.1 B3.1 W2.1 W3.1".split()
-    s = sf.pipeline_schedule("zb-h1", 4, 4)
+    s = sf.pipeline.schedule("zb-h1", 4, 4)
     assert [" ".join(map(repr, acts)) for acts in s.actions] == [
         "F0 F1 F2 F3 B0 W0 B1 W1 B2 W2 B3 W3",
         "F0.1 F1.1 F2.1 B0.1 F3.1 B1.1 W0.1 B2.1 W1.1 B3.1 W2.1 W3.1",
@@ -263,7 +263,7 @@ def test_zb_h1_order_is_pinned():
 def test_exact_bubble_fractions(name, V, p, M, idle, slots):
     """Idle slots / step slots on every rank, as exact fractions (e.g. interleaved p = 2, M = 2:
     3/15 = 0.200; one swapped pair of forwards makes it 0.250, which this must catch)."""
-    s = sf.pipeline_schedule(name, p, M, V)
+    s = sf.pipeline.schedule(name, p, M, V)
     assert s.total_slots == slots
     assert [round(b * slots, 9) for b in s.bubble()] == [idle] * p
     assert s.bubble() == [pytest.approx(idle / slots, abs=1e-12)] * p
@@ -276,7 +276,7 @@ def test_the_executor_runs_each_rank_in_schedule_order_and_reproduces_the_bubble
     mesh = sf.local_mesh({"stage": p})
     for name in ("1f1b", "zb-h1"):
         pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=M, schedule=name, mesh=mesh)
-        params = dict(shared, layers=sf.stack_layers(layers))
+        params = dict(shared, layers=sf.pipeline.stack_layers(layers))
 
         def body():
             torch.func.grad(pipe)(pipe.scatter_params(params), batch)
@@ -285,7 +285,7 @@ def test_the_executor_runs_each_rank_in_schedule_order_and_reproduces_the_bubble
         ran = mesh.run(body)
         schedule = pipe.schedule(p)
         assert [r[0] for r in ran] == [list(acts) for acts in schedule.actions]
-        replayed = sf.PipelineSchedule(name, p, M, [r[0] for r in ran], split_backward=name == "zb-h1")
+        replayed = sf.pipeline.Schedule(name, p, M, [r[0] for r in ran], split_backward=name == "zb-h1")
         assert replayed.bubble() == schedule.bubble()
         assert all(0.0 <= r[1] < 1.0 for r in ran)  # measured from timestamps (the benchmark records them)
 
@@ -296,7 +296,7 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     shared, layers = make_params(2 * p)
     batch = make_batch(M * rows)
     mesh = sf.local_mesh({"stage": p})
-    params = dict(shared, layers=sf.stack_layers(layers))
+    params = dict(shared, layers=sf.pipeline.stack_layers(layers))
     peaks = {}
     for name in ("gpipe", "1f1b"):
         pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=M, schedule=name, mesh=mesh)
@@ -325,7 +325,7 @@ def test_one_activation_and_one_gradient_transfer_per_microbatch_and_boundary(p,
     mesh = sf.local_mesh({"stage": p})
     pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=M, schedule="interleaved" if V > 1 else "1f1b",
                        virtual_stages=V, mesh=mesh)
-    params = dict(shared, layers=sf.stack_layers(layers, V))
+    params = dict(shared, layers=sf.pipeline.stack_layers(layers, V))
 
     def body():
         local = pipe.scatter_params(params)
@@ -351,7 +351,7 @@ def test_one_activation_and_one_gradient_transfer_per_microbatch_and_boundary(p,
 
 def test_checkpoint_of_pipeline_params_reshards_to_other_stage_counts(tmp_path):
     shared, layers = make_params(4)
-    params = dict(shared, layers=sf.stack_layers(layers))
+    params = dict(shared, layers=sf.pipeline.stack_layers(layers))
     pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=2)
     specs = pipe.specs(params)
     path = str(tmp_path / "ckpt")
@@ -400,7 +400,7 @@ def test_batch_not_divisible_by_microbatches_raises_on_every_rank():
     shared, layers = make_params(4)
     mesh = sf.local_mesh({"stage": 2})
     pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=3, mesh=mesh)
-    params = dict(shared, layers=sf.stack_layers(layers))
+    params = dict(shared, layers=sf.pipeline.stack_layers(layers))
     msgs = _errors_on_every_rank(mesh, lambda: pipe(pipe.scatter_params(params), make_batch(8)))
     assert all("batch[0] has 8 rows (shape (8, 4)), which microbatches=3 does not divide" in m for m in msgs)
 
@@ -409,7 +409,7 @@ def test_layers_not_divisible_into_stages_raise_on_every_rank():
     shared, layers = make_params(6)
     mesh = sf.local_mesh({"stage": 4})
     pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=2, mesh=mesh)
-    params = dict(shared, layers=sf.stack_layers(layers))
+    params = dict(shared, layers=sf.pipeline.stack_layers(layers))
     msgs = _errors_on_every_rank(mesh, lambda: pipe.scatter_params(params))
     assert all("6 layers do not split into 4 stages x 1 virtual stages over mesh axis 'stage'" in m for m in msgs)
 
@@ -430,7 +430,7 @@ def test_a_stage_that_changes_the_activation_raises_on_every_rank(bad):
         return layer_fn({k: v.to(x.dtype) for k, v in w.items()}, x).to(w["b"].dtype)
 
     pipe = sf.pipeline(cast_layer, pre=pre, post=post, microbatches=2, mesh=mesh)
-    params = dict(shared, layers=sf.stack_layers(layers))
+    params = dict(shared, layers=sf.pipeline.stack_layers(layers))
 
     def body():
         local = pipe.scatter_params(params)
@@ -447,19 +447,19 @@ def test_a_stage_that_changes_the_activation_raises_on_every_rank(bad):
 
 
 def test_a_hand_written_schedule_is_checked():
-    F, B = (lambda mb, c=0: sf.PipelineAction("F", mb, c)), (lambda mb, c=0: sf.PipelineAction("B", mb, c))
+    F, B = (lambda mb, c=0: sf.pipeline.Action("F", mb, c)), (lambda mb, c=0: sf.pipeline.Action("B", mb, c))
     with pytest.raises(sf.ShardingError, match=r"deadlocks"):
-        sf.PipelineSchedule("mine", 2, 1, [[B(0), F(0)], [F(0, 1), B(0, 1)]])
+        sf.pipeline.Schedule("mine", 2, 1, [[B(0), F(0)], [F(0, 1), B(0, 1)]])
     with pytest.raises(sf.ShardingError, match=r"no rank runs \[Action\(kind='B'|no rank runs \[B0"):
-        sf.PipelineSchedule("mine", 2, 1, [[F(0)], [F(0, 1), B(0, 1)]])
+        sf.pipeline.Schedule("mine", 2, 1, [[F(0)], [F(0, 1), B(0, 1)]])
     with pytest.raises(sf.ShardingError, match=r"rank 0 lists F0.1: chunk 1 lives on rank 1"):
-        sf.PipelineSchedule("mine", 2, 1, [[F(0), F(0, 1)], [B(0, 1), B(0)]])
-    good = sf.PipelineSchedule("mine", 2, 1, [[F(0), B(0)], [F(0, 1), B(0, 1)]])
+        sf.pipeline.Schedule("mine", 2, 1, [[F(0), F(0, 1)], [B(0, 1), B(0)]])
+    good = sf.pipeline.Schedule("mine", 2, 1, [[F(0), B(0)], [F(0, 1), B(0, 1)]])
     assert good.draw().splitlines()[1:] == ["rank 0 |F0 .  .  .  B0 B0|", "rank 1 |.  F0 B0 B0 .  . |"]
 
 
 def test_schedule_draw_and_repr():
-    s = sf.pipeline_schedule("1f1b", 2, 3)
+    s = sf.pipeline.schedule("1f1b", 2, 3)
     assert s.draw().splitlines()[1:] == ["rank 0 |F0 F1 .  .  B0 B0 F2 B1 B1 .  B2 B2|",
                                          "rank 1 |.  F0 B0 B0 F1 B1 B1 F2 B2 B2 .  . |"]
     assert "rank 1: F0.1 B0.1 F1.1 B1.1 F2.1 B2.1" in repr(s)
@@ -476,9 +476,9 @@ def test_pipeline_x_fsdp_on_processes_equals_one_device():
     shared, layers = make_params(4)
     batch = make_batch(8)
     want_grads, want_loss = torch.func.grad_and_value(reference_loss)(dict(shared, layers=layers), batch)
-    want_grads = dict(want_grads, layers=sf.stack_layers(want_grads["layers"]))
+    want_grads = dict(want_grads, layers=sf.pipeline.stack_layers(want_grads["layers"]))
     want_params = adamw_reference(shared, layers, batch)
-    params = dict(shared, layers=sf.stack_layers(layers))
+    params = dict(shared, layers=sf.pipeline.stack_layers(layers))
 
     def body(mesh):
         pipe = sf.pipeline(layer_fn, pre=pre, post=post, microbatches=2, schedule="1f1b")
@@ -502,7 +502,7 @@ def test_remat_per_layer_gives_the_same_gradients():
     shared, layers = make_params(4)
     batch = make_batch(4)
     mesh = sf.local_mesh({"stage": 2})
-    params = dict(shared, layers=sf.stack_layers(layers))
+    params = dict(shared, layers=sf.pipeline.stack_layers(layers))
     got = {}
     for name, fn in (("plain", layer_fn), ("remat", sf.remat(layer_fn))):
         pipe = sf.pipeline(fn, pre=pre, post=post, microbatches=2, schedule="zb-h1", mesh=mesh)
@@ -533,8 +533,8 @@ def test_pipeline_x_fsdp_x_tensor_parallel_on_a_3d_mesh():
         return post(p["post"], h, b)
 
     want_grads, want_loss = torch.func.grad_and_value(reference)(dict(shared, layers=layers), batch)
-    want = dict(want_grads, layers=sf.stack_layers(want_grads["layers"]))
-    params = dict(shared, layers=sf.stack_layers(layers))
+    want = dict(want_grads, layers=sf.pipeline.stack_layers(want_grads["layers"]))
+    params = dict(shared, layers=sf.pipeline.stack_layers(layers))
     mesh = sf.local_mesh({"stage": 2, "data": 2, "model": 2})
     tp_specs = {"w1": sf.P(None, None, "model"), "b1": sf.P(None, "model"), "w2": sf.P(None, "model")}
     pipe = sf.pipeline(lambda w, x: tp_layer(w, x, lambda t: sf.psum(t, "model")), pre=pre, post=post,
@@ -551,3 +551,15 @@ def test_pipeline_x_fsdp_x_tensor_parallel_on_a_3d_mesh():
     for loss, grads in mesh.run(body):
         assert abs(loss - float(want_loss)) <= 1e-12
         assert max_error(grads, want) <= 1e-10
+
+
+def test_the_pipeline_api_is_one_namespace_and_the_flat_names_warn():
+    """`sf.pipeline` is the transform and the namespace (issue 36); the flat names of
+    earlier releases still resolve, with a DeprecationWarning naming the new spelling."""
+    schedule = sf.pipeline.schedule("1f1b", 2, 4)
+    assert isinstance(schedule, sf.pipeline.Schedule) and schedule.name == "1f1b"
+    assert callable(sf.pipeline) and sf.pipeline.transform.__name__ == "pipeline"
+    for flat, new in [("pipeline_schedule", "schedule"), ("PipelineSchedule", "Schedule"),
+                      ("PipelineAction", "Action"), ("stack_layers", "stack_layers"), ("Pipeline", "Pipeline")]:
+        with pytest.warns(DeprecationWarning, match=rf"sf\.{flat} is sf\.pipeline\.{new} now"):
+            assert getattr(sf, flat) is getattr(sf.pipeline, new)
