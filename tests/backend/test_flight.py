@@ -58,7 +58,7 @@ def test_planted_desync_names_the_behind_rank_and_the_number(tmp_path):
     assert f.issued[1]["what"] == "all_reduce[sum](shape=(3,), dtype=torch.float32)"
     assert f.issued[0]["step"] == f.issued[1]["step"] == 3
     assert f.issued[0]["nbytes"] == 8 and f.issued[1]["nbytes"] == 12
-    text = sf.flight.report(str(tmp_path))  # what `python -m shardfn.flight` prints (run in the hang test)
+    text = sf.flight.report(str(tmp_path))  # what `python -m shardfn.flight` prints (run in the dropped-rank test)
     assert "group over ('data',) of ranks [0, 1]: desync at collective #8" in text, text
     assert "rank 1 is behind: rank 1 skipped all_gather(shape=(2,), dtype=torch.float32)" in text, text
     assert len(text.splitlines()) <= 25  # one screen
@@ -88,7 +88,7 @@ def test_planted_hang_names_the_behind_rank_and_the_number(tmp_path):
     (f,) = sf.flight.analyze(docs)
     assert (f.seq, f.kind, f.behind, f.last) == (6, "hang", [1], {0: 6, 1: 5})
     assert f.issued[0]["t_end"] is None and f.issued[1] is None  # rank 0's #6 never finished
-    text = _cli(tmp_path)
+    text = sf.flight.report(str(tmp_path))  # `python -m shardfn.flight` itself: the dropped-rank test
     assert "group over ('data',) of ranks [0, 1]: hang at collective #6" in text, text
     assert "rank 0: all_gather(shape=(2,), dtype=torch.float32) 8 B  [step 3]" in text, text
     assert "NOT FINISHED" in text and "rank 1: nothing (its last collective on this group is #5)" in text, text
