@@ -366,7 +366,8 @@ class UnitRuntime:
             self.state = UnitState.SHARDED
             return
         if self.state in _IN_FLIGHT:
-            self._wait()
+            if self.pending is not None:  # None: waited, and its copy-out raised (that error is the step's)
+                self._wait()
             self.apart.free()
         if self.full_held:
             self._full_data.untyped_storage().resize_(0)
