@@ -23,7 +23,7 @@ STEPS = 6
 TIMEOUT = 900.0
 
 
-def _traced_vs_eager(arch: str, backend: str):
+def _traced_vs_eager(arch: str, backend: str, remat: bool = False):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -33,7 +33,9 @@ def _traced_vs_eager(arch: str, backend: str):
     model = model_class(arch)(config(arch))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(10 + mesh.rank))
     out = {}
-    apply_fn, params = sf.functional(model)  # one apply function for both ([Note: one apply function])
+    # one apply function for both ([Note: one apply function]); with remat, its blocks are sf.remat
+    # eagerly and torch's checkpoint in the graph ([Note: remat under sf.jit])
+    apply_fn, params = sf.functional(model, remat=remat)
     for mode in ("eager", "traced"):
         step = sf.shard(lambda p, batch: apply_fn(p, input_ids=batch, labels=batch).loss, mesh)
         shards = step.shard_params(params)
@@ -69,3 +71,12 @@ def test_llama_with_inductor_within_the_bounds():
         assert out["dynamo"] == {"unique_graphs": 1, "graph_breaks": 0}
         assert max(abs(a - b) for a, b in zip(out["eager"]["losses"], out["traced"]["losses"])) <= 1e-6, out
         assert out["param_diff"] <= 5e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_transformers_models_with_remat_trace_with_eager_numbers(arch):
+    """One apply function eagerly, under remat and under sf.jit (issue 36)."""
+    for out in run_multiprocess(_traced_vs_eager, 2, arch, "aot_eager", True, timeout=TIMEOUT):
+        assert out["dynamo"] == {"unique_graphs": 1, "graph_breaks": 0}
+        assert out["traced"]["losses"] == out["eager"]["losses"] and out["param_diff"] == 0.0, out
