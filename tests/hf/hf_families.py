@@ -46,7 +46,7 @@ TABLE: dict[tuple[str, str], str] = {
     **{(f, feature): "yes" for f in FAMILIES for feature in FEATURES[:4]},
     **{(f, "sf.jit"): NOT_TESTED for f in FAMILIES},
 }
-TABLE[("llama", "sf.jit")] = "yes, without remat (tests/hf/test_hf_traced.py)"
+TABLE[("llama", "sf.jit")] = "yes, with and without remat (tests/hf/test_hf_traced.py)"
 # The router picks each token's experts from activations (`nonzero` of its choice): no dry
 # run can know how many tokens each expert gets, so sf.estimate names the op.
 TABLE[("qwen3_moe", "estimate")] = "no: routing is data-dependent (sf.estimate raises its SpecError on `nonzero`)"
