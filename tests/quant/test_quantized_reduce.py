@@ -399,7 +399,7 @@ def test_stats_agree_with_what_was_sent_across_setups(setup_name, mode):
     """test_traffic.py's grid with int8 gradients: stats() = the recording (its all_to_alls
     counted as the reduce-scatter), on every rank and call; and the gradients stay within
     the bound of the same setup without quantization (G: the largest |gradient| there)."""
-    from test_traffic import LAYER_SPECS, SETUPS, init, make_loss
+    from fsdp.test_traffic import LAYER_SPECS, SETUPS, init, make_loss  # tests/ is on the pythonpath
 
     shape, kwargs = SETUPS[setup_name]
     kwargs = dict(kwargs)
