@@ -147,6 +147,37 @@ def test_two_data_axes_order_the_examples_by_the_shard_group_index():
         assert (sq - ref_sq).abs().max().item() <= 1e-10
 
 
+@pytest.mark.slow
+def test_a_gpt_through_sf_functional_with_a_tied_head():
+    """The examples' GPT (2 layers, tied head, LayerNorm, embeddings) as `sf.functional`
+    gives it: every example's gradient on 2 ranks equals one device's vmap(grad)."""
+    from shardfn.testing.models import GPT, GPTConfig
+
+    n, b_local = 2, 3
+    torch.manual_seed(0)
+    apply_fn, params = sf.functional(GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)).double())
+
+    def gpt_loss(p, example):  # ONE sequence: tokens (T,), targets (T,)
+        x, y = example
+        return apply_fn(p, x[None], y[None])
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 32, (n * b_local, 8), generator=g), torch.randint(0, 32, (n * b_local, 8), generator=g)
+    ref = torch.func.vmap(torch.func.grad(gpt_loss), in_dims=(None, 0))(params, (x, y))
+    ref_sq = sum(t.reshape(t.shape[0], -1).pow(2).sum(1) for t in optree.tree_leaves(ref))
+    mesh = mesh_for({"data": n})
+    step = sf.shard(gpt_loss, mesh)
+
+    def body():
+        r = mesh.rank
+        out = sf.per_example_grads(step, step.shard_params(params), (x.chunk(n)[r], y.chunk(n)[r]))
+        return out.grads, out.sq_norms
+
+    for r, (grads, sq) in enumerate(mesh.run(body)):
+        assert max_diff(grads, owners_view(ref, n, r)) <= 1e-10
+        assert (sq - ref_sq).abs().max().item() <= 1e-10
+
+
 def test_vmap_of_grad_of_the_step_is_the_mean_over_ranks_of_each_slot():
     """What `vmap(grad(step), in_dims=(None, 0))` means with per-rank examples (the docs say
     so): slot i is the mean over ranks of their i-th examples' gradients, far from rank r's
