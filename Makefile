@@ -17,7 +17,7 @@ TEST_WORKERS ?= 1
 HARD_TIMEOUT ?= 360
 ISOLATE ?= -p xdist -n $(TEST_WORKERS) -p tests._deadline --hard-timeout $(HARD_TIMEOUT)
 
-.PHONY: setup demo test test-all docs docs-serve quickstart
+.PHONY: setup demo test test-all notebooks docs docs-serve quickstart
 
 setup:
 	bash scripts/setup.sh
@@ -33,6 +33,10 @@ test: setup
 
 test-all: setup
 	$(PYTEST) -q $(ISOLATE)
+
+# Every notebook under examples/notebooks, top to bottom, with nbclient (not saved back).
+notebooks: setup
+	$(PYTHON) -m jupyter execute --timeout=600 examples/notebooks/*.ipynb
 
 docs: setup
 	$(PYTHON) -m mkdocs build --strict

@@ -320,6 +320,113 @@ def test_notebook_02_fsdp():
     assert "spec P(('model', 'data'), None) -> this rank's shard (8, 8)" in out
 
 
+# The research notebooks (issue 38): each checks itself against one device (its asserts
+# fail the cell, and execute_notebook fails on an error output); the tests read the
+# numbers each prints.
+
+
+def _notebook_with_plots(name: str) -> str:
+    import matplotlib  # noqa: F401  the research notebooks plot with it (a test extra)
+
+    out = execute_notebook(name)
+    assert re.search(r"(plots?|loss curve) drawn; notebook ran in \d+ s", out), out[-2000:]
+    return out
+
+
+@pytest.mark.slow
+def test_notebook_03_finetune_transformers():
+    out = _notebook_with_plots("03_finetune_transformers.ipynb")
+    assert "LlamaForCausalLM: 22,688 parameters, 21 tensors" in out
+    assert "rank 0 holds 11,344 of 22,688 parameters" in out
+    first, last = (float(v) for v in re.search(r"loss: step 0 ([0-9.]+) -> step 39 ([0-9.]+)", out).groups())
+    assert abs(first - 4.16) < 0.02 and last < 0.1, out  # log(64), then the counting task learned
+    assert number_after("max weight diff", out) < 1e-12
+    assert "OK: the sharded fine-tune equals one device" in out
+
+
+@pytest.mark.slow
+@pytest.mark.ci  # lean: ~20 s
+def test_notebook_04_per_example_dpsgd():
+    out = _notebook_with_plots("04_per_example_dpsgd.ipynb")
+    assert "layer 0's w (16, 32): each rank holds (16, 8, 32) = (examples, its rows)" in out
+    assert number_after("per-example gradients equal one device's vmap(grad): max err", out) < 1e-12
+    assert number_after("per-example norms equal one device's: max err", out) < 1e-12
+    assert "'all_to_all_bytes': 110848" in out  # B_local * Ψ: 8 examples x 1732 fp64 params x 8 bytes
+    assert number_after("max weight err", out) < 1e-10
+    assert "OK: sharded DP-SGD equals one device" in out
+    first, last = (float(v) for v in re.search(r"25 steps\): loss ([0-9.]+) -> ([0-9.]+)", out).groups())
+    assert last < 0.7 * first, out
+    # plain vmap(grad(step)) with per-rank examples: slot i is the mean over ranks, and it warns
+    assert number_after("equal to the mean over ranks of slot i (max err", out) < 1e-12
+    assert number_after("per-rank examples: off the examples' own gradients by", out) > 0.1
+    assert "warning: shard: vmap over the batch with different examples on the ranks" in out
+
+
+@pytest.mark.slow
+def test_notebook_05_curvature():
+    out = _notebook_with_plots("05_curvature.ipynb")
+    assert number_after("HVP forward-over-reverse through sf.shard equals torch.func on one device: max err", out) < 1e-12
+    assert number_after("HVP reverse-over-reverse through sf.shard equals torch.func on one device: max err", out) < 1e-12
+    # the HVP's traffic: one more all-gather and reduce-scatter of the tangent (3,872 B = 484 fp64 params)
+    assert re.search(r"all_gather_bytes\s+gradient\s+7,744 B\s+HVP\s+11,616 B", out), out
+    assert re.search(r"reduce_scatter_bytes\s+gradient\s+3,872 B\s+HVP\s+7,744 B", out), out
+    assert number_after("exact trace", out) == pytest.approx(17.6573, abs=1e-4)
+    est = number_after("Hutchinson trace, 64 probes, sharded:", out)
+    assert abs(est - 17.6573) < 3.0
+    lam, exact = (float(v) for v in re.search(r"step 0: λ_max ([0-9.]+) \(one device, eigvalsh of the full "
+                                              r"Hessian: ([0-9.]+)\)", out).groups())
+    assert lam == pytest.approx(exact, rel=1e-6)
+    first, last = (float(v) for v in re.search(r"λ_max ([0-9.]+) -> ([0-9.]+); 2/lr", out).groups())
+    assert last > 1.5 * first  # sharpening during training
+
+
+@pytest.mark.slow
+def test_notebook_06_meta_learning():
+    out = _notebook_with_plots("06_meta_learning.ipynb")
+    assert number_after("hypergradient sharded vs one device: rel err", out) < 1e-10
+    assert number_after("vs central finite difference: rel err", out) < 1e-6
+    lr0, lr1, v0, v1 = (float(v) for v in re.search(
+        r"learned lr: ([0-9.]+) -> ([0-9.]+); val loss after 5 steps ([0-9.]+) -> ([0-9.]+)", out).groups())
+    best = number_after("val loss", out.split("grid search")[1])
+    assert lr0 == 0.001 and lr1 > 0.005 and v1 < 1.1 * best and v1 < 0.5 * v0, out
+    s0, s1 = (float(v) for v in re.search(r"per-layer schedule: val loss after 5 SGD steps ([0-9.]+) -> ([0-9.]+)",
+                                          out).groups())
+    assert s1 < 0.7 * s0
+
+
+@pytest.mark.slow
+def test_notebook_07_ensembles_sweeps():
+    out = _notebook_with_plots("07_ensembles_sweeps.ipynb")
+    assert number_after("6 members x 40 SGD steps: vmapped sweep equals the loop over members: max err", out) < 1e-10
+    finals = [float(v) for v in re.findall(r"lr [0-9.]+\s+loss [0-9.]+ -> ([0-9.]+)", out)]
+    assert len(finals) == 6 and finals[-1] < 0.1 * finals[0], out  # the sweep: larger rates learn faster here
+
+
+@pytest.mark.slow
+@pytest.mark.ci  # lean: ~20 s
+def test_notebook_08_memory_planning():
+    out = _notebook_with_plots("08_memory_planning.ipynb")
+    ratios = [float(v) for v in re.findall(r"\(ratio ([0-9.]+)\)", out)]
+    assert len(ratios) == 3 and all(abs(r - 1) < 0.10 for r in ratios), out
+    totals = {int(n): (float(a), float(b)) for n, a, b in
+              re.findall(r"(\d) ranks: total per rank\s+([0-9.]+) MiB as written,\s+([0-9.]+) MiB with remat", out)}
+    assert sorted(totals) == [1, 2, 4, 8]
+    assert totals[8][0] < totals[1][0] and all(b < a for a, b in totals.values())
+
+
+@pytest.mark.slow
+def test_notebook_09_long_context_pipelines():
+    out = _notebook_with_plots("09_long_context_pipelines.ipynb")
+    assert number_after("CP (ring, zigzag) gradients equal one device's: max err", out) < 1e-10
+    assert number_after("PP (zb-h1, 2 stages x 2 FSDP) gradients equal one device's: max err", out) < 1e-10
+    shares = {int(n): float(r) for n, r in re.findall(r"N = (\d): activations kept by rank 0: [0-9.]+ MiB "
+                                                      r"\(([0-9.]+) of one device's\)", out)}
+    assert shares[1] == 1.0 and 0.4 < shares[2] < 0.6 and 0.2 < shares[4] < 0.35, shares
+    assert "gpipe        p = 4: bubble M=4: 0.429  M=8: 0.273" in out
+    assert "zb-h1        p = 4: bubble M=4: 0.200  M=8: 0.111" in out
+    assert "interleaved  p = 4: bubble M=4: 0.273  M=8: 0.158" in out
+
+
 # -- long_context.py --------------------------------------------------------------------
 
 
