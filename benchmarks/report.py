@@ -332,6 +332,21 @@ def optim_table(report: dict) -> str:
         "|---|---:|---:|---|---:|---:|---:|")
 
 
+def muon_table(report: dict) -> str:
+    """benchmarks/muon_vs_adamw.py: time per step of the two recipes and the owner rule's bytes."""
+    cfg, med, times = report["config"], report["median_ms"], report["times_ms"]
+    how = "threads (simulated mesh)" if cfg["simulated"] else "processes (gloo)"
+    rows = [[name, fmt(med[key], ".1f"), fmt(min(times[key]), ".1f"), fmt(med[key] / med["adamw"], ".2f")]
+            for key, name in (("adamw", "AdamW"), ("muon", "Muon + AdamW"))]
+    owners = [[str(rank), f"{g:,}", f"{s_:,}", str(n)] for rank, g, s_, n in report["owner_bytes"]]
+    return (run_line(report) + f"\n\nGPT {cfg['n_layer']}L d{cfg['n_embd']} (T = {cfg['block_size']}, batch "
+            f"{cfg['batch']} per rank), {cfg['ranks']} {how}, `sf.train_step`, median of {cfg['reps']} "
+            f"interleaved steps on rank 0:\n\n"
+            + table(["optimizer", "median ms / step", "min ms", "/ AdamW"], rows)
+            + "\n\nThe owner rule per step (bf16 on the wire), from `update.stats()`:\n\n"
+            + table(["rank", "gather bytes", "scatter bytes", "matrices owned"], owners))
+
+
 def gloo_wait_table(report: dict) -> str:
     cfg = report["config"]
     body = []
@@ -413,7 +428,7 @@ def sections(results: str = RESULTS) -> dict[str, str]:
 
         out["pipeline"] = run_line(piped) + "\n\n" + render(piped)
     for name, fn in (("gloo_wait", gloo_wait_table), ("fsdp_tp_vs_torch", fsdp_tp_table), ("memory_scaling", memory_scaling_table),
-                     ("optim_update", optim_table), ("simulated_overhead", simulated_line),
+                     ("optim_update", optim_table), ("muon_vs_adamw", muon_table), ("simulated_overhead", simulated_line),
                      ("context_parallel", context_parallel_section)):
         report = load(name, results)
         if report is not None:

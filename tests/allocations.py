@@ -5,6 +5,6 @@ module keeps the name the tests import for regions they profile themselves."""
 
 from __future__ import annotations
 
-from shardfn._memory import net_and_peak
+from shardfn._memory import allocations, net_and_peak
 
-__all__ = ["net_and_peak"]
+__all__ = ["allocations", "net_and_peak"]

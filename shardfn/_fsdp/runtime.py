@@ -71,10 +71,25 @@ __all__ = ["RankStep", "RankState"]
 #   inside `view.together()` units entered together do not free each other, and the
 #   backward brings them back together; `together(held=True)` (a module's root leaves,
 #   bound for its whole forward) pins them.
-# A view kept past the entry of other units and used later without being read again is
-# still freed; the backward's prefetches never give a freed unit storage before its data
-# is there (they gather beside the buffer), so such a use fails loudly ("storage of size
-# 0") instead of reading a buffer an all-gather is filling.
+# - a leaf kept by loss_fn past the entry of other units and used later without being
+#   read again (`ws = [p[0]["w"], p[1]["w"]]`, then `sum(ws)`): [Note: a view kept across units].
+
+# [Note: a view kept across units]
+# Freeing a unit resizes its buffer's storage to 0 bytes; a kernel reading a view of it
+# afterwards reads freed memory (a segfault on CPU, an illegal address on CUDA), it does
+# not raise. So before the forward frees a unit because another is entered, it asks the
+# unit whether loss_fn may still hold one of the leaves it handed out (`views_held`: a
+# Python reference beside `step.outputs`'s; autograd's saved tensors and views derived
+# from a leaf are C++ references and do not count). If so, the free is deferred to the
+# end of the forward (`step.deferred`), when loss_fn has returned; that costs memory in
+# the forward, not correctness. The answer is this rank's own (a compiled loss_fn's
+# resume frames hold leaves too, and on the simulated mesh one rank may run compiled
+# while another warms up), so it never changes a collective: a deferred unit read again
+# or prefetched is first released, as on a rank that freed it, and the backward finds
+# every rank's units in the same states. Not seen: a view derived from a leaf
+# (`p["w"].T`, `p["w"][0]`) kept while the leaf itself is dropped, and a leaf kept past
+# the forward (returned in aux, stored in a global): its unit is freed after the forward
+# or its backward. Read a leaf where it is used; return copies (docs/fsdp_design.md).
 
 
 _READ = "a parameter read inside a shard step gathers its unit eagerly: a graph break"
@@ -185,7 +200,9 @@ class RankState:
             else:
                 outs = GatherUnit.apply(self, u, *inputs)
             unit.step.outputs = {l.index: o for l, o in zip(order, outs)}
-        elif not unit.gathered and not unit.step.stacked:  # released earlier in this forward
+        elif (unit.step.deferred or not unit.gathered) and not unit.step.stacked:  # released earlier in this forward
+            if unit.step.deferred:  # released now, as on a rank that did not defer: [Note: a view kept across units]
+                unit.post_forward()
             unit.reenter_forward()  # gathered again and pinned: [Note: units used again later in the forward]
         return unit.step.outputs[i]
 
@@ -208,12 +225,17 @@ class RankState:
             for i, other in enumerate(self.units):
                 if (other is not unit and not other.plan.is_root and other.gathered
                         and not other.step.pinned and i not in self.step.scope_units):
-                    other.post_forward()
+                    if other.views_held():  # [Note: a view kept across units]
+                        other.step.deferred = True
+                    else:
+                        other.post_forward()
         if scope is not None:
             self.step.scope_units.add(u)
         self.schedule.order.append(u)  # (here: a failure above leaves no IDLE unit in the order)
         unit.pre_forward(inputs)
         for nxt in self.schedule.prefetch_after(u):
+            if self.units[nxt].step.deferred:  # as on a rank that freed it ([Note: a view kept across units])
+                self.units[nxt].post_forward()
             self.units[nxt].prefetch_forward()
 
     def pre_backward(self) -> None:

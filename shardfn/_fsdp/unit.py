@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import sys
 from typing import Callable, ClassVar
 
 import torch
@@ -71,7 +72,7 @@ __all__ = ["TrainingState", "UnitState", "UnitStateError", "UnitStep", "GradSum"
 #   SHARDED, its members gathered by `gather_stacked` ([Note: stacked shards] in autograd.py),
 #   up to post_backward when vmap is outside grad (GatherUnit's backward runs then);
 # - a unit without sharded leaves goes SHARDED <-> GATHERED with no collective and no bytes.
-# Not states: the per-step facts on `UnitStep` (pinned, stacked, keep_encoded: the step
+# Not states: the per-step facts on `UnitStep` (pinned, deferred, stacked, keep_encoded: the step
 # mode's, the same for every unit); the encoded send buffer, made on first use and kept for
 # the step (under accumulate, across micro-batches: `keep_encoded`); and the gradient sums
 # of accumulate(mode="reduce_once"), a buffer the unit holds between micro-batches
@@ -168,6 +169,7 @@ class UnitStep:
     outputs: dict[int, torch.Tensor] | None = None  # leaf index -> what loss_fn sees
     stacked: bool = False  # gathered stacked shards (vmap over an ensemble): no schedule
     pinned: bool = False  # used again after other units in this forward: kept until its backward
+    deferred: bool = False  # held by loss_fn when another unit was entered: freed later ([Note: a view kept across units])
     keep_encoded: bool = False  # the encoded shards outlive the step (accumulate: the shards stay the same)
 
 
@@ -409,6 +411,7 @@ class UnitRuntime:
     @transition(training=(_T.FORWARD,))
     def post_forward(self) -> None:
         """The forward is done with the unit: free it, keeping hpZ rows for the backward."""
+        self.step.deferred = False
         self._release(post_forward=True)
 
     @transition(training=_ENTERED)
@@ -523,10 +526,39 @@ class UnitRuntime:
                    for l, t in zip(plan.replicated, tangents[n:]))
         return tuple(out)
 
+    def views_held(self) -> bool:
+        """Whether Python code still holds one of the full sharded leaves handed to loss_fn
+        this step (beyond `step.outputs`): freeing the unit now would leave it reading
+        freed storage ([Note: a view kept across units] in runtime.py)."""
+        return any(self.held_view(l.index) for l in self.plan.sharded)
+
+    def held_view(self, index: int) -> bool:
+        """Whether params leaf `index` (a sharded leaf of this unit) handed out this step is
+        referenced from Python beside `step.outputs`."""
+        outputs = self.step.outputs
+        return outputs is not None and index in outputs and _python_refs(outputs[index]) > 1  # 1: `outputs`
+
     def views(self) -> list[torch.Tensor]:
         # Views of `full` (not of `_full_data`): our writes bump only `_full_data`'s version
         # counter, so tensors saved for backward stay valid. [Note: why storage is freed, not the tensor]
         return leaf_views(self.plan, self.full)
+
+
+def _cxx_holds_add_a_python_ref() -> bool:
+    """Whether this torch keeps a tensor's Python object referenced while C++ holds the
+    tensor (a view's base, autograd's saved tensors): newer versions do, with one reference."""
+    base = torch.empty(0)
+    view = base.view(0)  # noqa: F841 (its base reference is the C++ one)
+    return sys.getrefcount(base) > 2  # `base` and the argument, plus C++'s
+
+
+_CXX_REF = int(_cxx_holds_add_a_python_ref())
+
+
+def _python_refs(t: torch.Tensor) -> int:
+    """References to `t` from Python (not counting this call's): C++ references (a view
+    derived from it, autograd saving it) are not counted."""
+    return sys.getrefcount(t) - 2 - (_CXX_REF if t._use_count() > 1 else 0)  # `t` and the argument
 
 
 def _add(a, b):

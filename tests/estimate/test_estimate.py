@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import shardfn as sf
+from allocations import allocations
 from shardfn.testing.models import GPT, GPTConfig
 
 TOLERANCE = 0.10
@@ -24,38 +25,6 @@ TOLERANCE = 0.10
 
 def _nbytes(tree) -> int:
     return sum(x.numel() * x.element_size() for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor))
-
-
-def _events(nodes):
-    for e in nodes:
-        yield e
-        yield from _events(e.children)
-
-
-def _allocations(prof) -> list[tuple[int, int]]:
-    """(time ns, signed bytes) of the blocks this thread allocated during the profile: each
-    allocation, and its free when this thread frees it, in time order.
-
-    The profiler records the allocations and frees of the profiling thread only. gloo's
-    worker thread allocates a collective's copy buffer, and which thread drops the last
-    reference to it is a race: when rank 0's thread wins, the profiler sees the free of a
-    block it never saw allocated (-73,984 bytes on the Llama of test_hf_estimate, a shard;
-    several of them under load: the measured activations 16% low, the flaky failure of issue
-    37). Frees are matched to allocations by address, and a free of a block not allocated
-    here is left out."""
-    from torch._C._profiler import _EventType
-
-    events = sorted((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size)
-                    for e in _events(prof.profiler.kineto_results.experimental_event_tree())
-                    if e.tag == _EventType.Allocation)
-    held, out = {}, []
-    for t, ptr, nbytes in events:
-        if nbytes > 0:
-            held[ptr] = nbytes
-            out.append((t, nbytes))
-        elif held.pop(ptr, None) is not None:
-            out.append((t, nbytes))
-    return out
 
 
 def _measure(loss_fn, params, make_batch, n, optimizer=None, use_func=False, **options):
@@ -98,7 +67,7 @@ def _measure(loss_fn, params, make_batch, n, optimizer=None, use_func=False, **o
             del stats.hold
         live = peak = rest = 0
         j = 0
-        for t, nbytes in _allocations(prof):
+        for t, nbytes in allocations(prof):
             live += nbytes
             while j + 1 < len(held) and held[j + 1][0] <= t:
                 j += 1
