@@ -137,6 +137,7 @@ def test_train_gpt_tiny_hsdp_bf16(tmp_path):
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
 
 
+@pytest.mark.slow  # ~16 s; TP in make test: test_tensor_parallel_matches_single_device, tests/fsdp's TP cases
 def test_train_gpt_fsdp_tp_equals_fsdp_on_the_data_ranks(tmp_path):
     """FSDP x TP on {'data': 2, 'model': 2} reads the same batches as FSDP on 2 ranks and
     computes the same model (split by heads and hidden units), so the losses agree to fp32
@@ -149,7 +150,7 @@ def test_train_gpt_fsdp_tp_equals_fsdp_on_the_data_ranks(tmp_path):
     assert "--- sample 0" in tp["stdout"]  # sampled from the gathered, un-split parameters
 
 
-@pytest.mark.parametrize("mesh", ["fsdp", "fsdp_tp"])
+@pytest.mark.parametrize("mesh", ["fsdp", pytest.param("fsdp_tp", marks=pytest.mark.slow)])  # ~15 s each
 def test_train_gpt_remat_trains_exactly_as_without(tmp_path, mesh):
     """--remat recomputes each block in the backward: the same ops on the same inputs, so the
     same losses bit for bit (fsdp_tp: the recompute re-runs the block's psums over 'model')."""

@@ -239,9 +239,8 @@ def test_simulated_run_resumes_from_its_checkpoint(tmp_path):
     assert losses(tmp_path / "resumed.json") == losses(tmp_path / "straight.json")
 
 
-@pytest.mark.slow  # ~30 s: two launchers (4 workers), then one, then the simulated mesh
+@pytest.mark.slow  # ~30 s: two launchers (4 workers), then one, then the simulated mesh (make test-all)
 @pytest.mark.multiprocess
-@pytest.mark.ci
 def test_two_launchers_equal_one_launcher(tmp_path):
     args = [*TINY, "--steps", "8"]
     run_two_nodes(tmp_path, "two", [*args, "--out", str(tmp_path / "two.json")])
