@@ -38,6 +38,7 @@ from ._tree import keystr
 from ._bind import Binding
 from ._params_view import ParamsView, together
 from ._init.buffers import fill_meta_buffers
+from ._remat_state import unrecorded
 from ._remat_modules import checkpointing, takes_use_cache, turn_off_checkpointing, without_cache
 
 __all__ = ["functional"]
@@ -222,17 +223,22 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
     def thread_module(device) -> nn.Module:
         copy_ = getattr(local, "module", None)
         if copy_ is None:
-            copy_ = _meta_copy(module)
-            if meta_buffers:  # [Note: computed buffers] in shardfn/_init/buffers.py
-                fill_meta_buffers(copy_, device)
-            turn_off_checkpointing(copy_)  # HF's torch.utils.checkpoint: replaced by sf.remat on the blocks
-            local.module = copy_
-            for name, ctx in recompile.items():  # inside a block, or around the blocks
-                m = copy_.get_submodule(name)
-                m._compiled_call_impl = ctx(m._call_impl)
-            for child_name, paths in units.values():
-                _bind_child(copy_.get_submodule(child_name), paths, local, remat, unit_compilers.get(child_name),
-                            child_name)
+            with unrecorded():  # once per thread: an sf.remat around apply_fn does not repeat it
+                copy_ = _make_thread_module(device)
+        return copy_
+
+    def _make_thread_module(device) -> nn.Module:
+        copy_ = _meta_copy(module)
+        if meta_buffers:  # [Note: computed buffers] in shardfn/_init/buffers.py
+            fill_meta_buffers(copy_, device)
+        turn_off_checkpointing(copy_)  # HF's torch.utils.checkpoint: replaced by sf.remat on the blocks
+        local.module = copy_
+        for name, ctx in recompile.items():  # inside a block, or around the blocks
+            m = copy_.get_submodule(name)
+            m._compiled_call_impl = ctx(m._call_impl)
+        for child_name, paths in units.values():
+            _bind_child(copy_.get_submodule(child_name), paths, local, remat, unit_compilers.get(child_name),
+                        child_name)
         return copy_
 
     root_names = [name for _, name in root]

@@ -24,7 +24,7 @@ from . import _vma
 from ._binding import current_binding
 from ._errors import SpecError
 from ._params_view import materialize, together
-from ._remat_state import Recompute, Trace, Tracker, check_outputs, fingerprint, nested
+from ._remat_state import Recompute, Trace, Tracker, check_outputs, fingerprint, is_unrecorded, nested
 
 __all__ = ["remat", "tag", "Policy", "policies"]
 
@@ -152,6 +152,8 @@ class _Record(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if is_unrecorded():
+            return func(*args, **kwargs)
         self.tracker.before(func, args, kwargs)
         out = func(*args, **kwargs)
         self.tracker.after(func, out)
@@ -200,6 +202,8 @@ class _Replay(TorchDispatchMode):
         self.in_step = True  # False once the op sequence diverges: compute the rest
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if is_unrecorded():
+            return func(*args, **(kwargs or {}))
         i, self.index = self.index, self.index + 1
         if self.in_step and (i >= len(self.names) or self.names[i] is not func):
             self.in_step = False

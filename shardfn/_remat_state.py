@@ -151,8 +151,25 @@ def nested():
         _depth.n -= 1
 
 
+@contextlib.contextmanager
+def unrecorded():
+    """Work a remat'd function does on its first call only (sf.functional's per-thread
+    module copy): remat's modes run it without numbering, recording or checking it, so
+    the recompute, which does not repeat it, still matches its forward
+    ([Note: a recompute must be its forward])."""
+    _depth.hidden = getattr(_depth, "hidden", 0) + 1
+    try:
+        yield
+    finally:
+        _depth.hidden -= 1
+
+
+def is_unrecorded() -> bool:
+    return getattr(_depth, "hidden", 0) > 0
+
+
 def _own(mode) -> bool:
-    return getattr(_depth, "n", 0) == mode.depth
+    return getattr(_depth, "n", 0) == mode.depth and not is_unrecorded()
 
 
 def call_signature(out) -> tuple:
@@ -280,6 +297,8 @@ class Recompute(_Tracked):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if is_unrecorded():
+            return func(*args, **kwargs)
         swapped = {}
         if self.scratch:
             args = tuple(self._swap(a, swapped) for a in args)

@@ -296,10 +296,10 @@ def shard_cases(draw, models=("mlp", "gpt_block"), meshes=tuple(MESHES), stacks=
         frozen=None if stack == "optim" else draw(st.one_of(st.none(), st.integers(0, 20))),
         mp64=draw(st.booleans()), check_finite=draw(st.booleans()),
         weighting=draw(st.sampled_from(("equal", "equal", "global_mean"))),
-        # GPT + remat under vmap: a known functorch assertion, a SpecError (docs/composition.md); the Llama
-        # layer's remat is sf.remat around sf.functional's apply, which refuses its first call on a thread
-        # (test_oracle.py::test_remat_around_a_functional_apply_on_its_first_call, xfail: a bug found here)
-        remat=draw(st.booleans()) if stack != "vmap" and name != "llama_layer" else False,
+        # GPT + remat under vmap: a known functorch assertion, a SpecError (docs/composition.md). The Llama
+        # layer's remat is sf.remat around sf.functional's apply (its first call on a thread was refused:
+        # a bug found here, test_oracle.py::test_remat_around_a_functional_apply_on_its_first_call)
+        remat=draw(st.booleans()) if stack != "vmap" else False,
         per_leaf_units=draw(st.booleans()), per_rank=draw(st.integers(1, 3)),
         opt=draw(st.sampled_from(OPTIMIZERS)), seed=draw(st.integers(0, 2 ** 16)))
 

@@ -162,7 +162,6 @@ def test_processes_equal_one_device(mesh):
     run()
 
 
-@pytest.mark.xfail(strict=True, reason="bug found by the oracle (issue 38), not fixed: see the docstring")
 def test_remat_around_a_functional_apply_on_its_first_call():
     """Found by the oracle: sf.remat around sf.functional's apply function refuses the first
     call of that apply function on each thread, one device included: the apply function makes
@@ -172,7 +171,8 @@ def test_remat_around_a_functional_apply_on_its_first_call():
     called torch.empty_like", or, with the copy hidden from torch-function modes only, "gave
     output #0 another value than its forward" (the op numbering shifted). The second call
     works. Under sf.shard every rank thread's first step fails. sf.functional(module,
-    remat=...) (remat per block) is not affected. Fp64."""
+    remat=...) (remat per block) is not affected. Fixed: the copy is made `unrecorded()`
+    (shardfn/_remat_state.py), unseen by remat's modes. Fp64."""
     import torch
 
     import shardfn as sf
