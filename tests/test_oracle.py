@@ -187,3 +187,49 @@ def test_remat_around_a_functional_apply_on_its_first_call():
     forward = sf.remat(lambda p, x: apply_fn(p, x))
     got = torch.func.grad(lambda p: (forward(p, x) ** 2).mean())(params)  # the first call of this apply_fn
     assert oc.max_rel(got, plain) <= 1e-12
+
+
+# -- the oracle catches planted bugs ---------------------------------------------------------------
+# Each plants one wrong rule (monkeypatched for the test only) and asks the oracle about a
+# case that exercises it: it must report a difference from one device (or fail loudly),
+# so a green oracle means something.
+
+
+def _caught(check, case) -> str:
+    try:
+        problems = check(case)
+    except Exception as e:  # noqa: BLE001 (a loud failure is a catch too)
+        return f"raised {type(e).__name__}: {e}"
+    return "\n".join(problems)
+
+
+def test_a_planted_wrong_jvp_rule_is_caught(monkeypatch):
+    from shardfn import _collectives
+
+    case = oc.ShardMapCase(mesh="1d2", batch_axes=(), w_axis="x", body="psum", check_vma=False, stack="jvp",
+                           closed=False)
+    assert oc.check_shard_map_case(case) == []
+    right = _collectives._Psum.jvp
+    monkeypatch.setattr(_collectives._Psum, "jvp", staticmethod(lambda ctx, t, g: 2 * right(ctx, t, g)))
+    assert "rank 0: tangent off by" in _caught(oc.check_shard_map_case, case)
+
+
+def test_a_planted_wrong_transpose_is_caught(monkeypatch):
+    from shardfn import _collectives
+
+    case = oc.ShardMapCase(mesh="1d2", batch_axes=(), w_axis="x", body="all_gather", check_vma=False,
+                           stack="grad", closed=False)
+    assert oc.check_shard_map_case(case) == []
+    right = _collectives._AllGather.backward
+    monkeypatch.setattr(_collectives._AllGather, "backward",
+                        staticmethod(lambda ctx, g: (2 * right(ctx, g)[0], None, None)))
+    assert "rank 0: grad off by" in _caught(oc.check_shard_map_case, case)
+
+
+def test_a_planted_float_of_a_hyperparameter_is_caught(monkeypatch):
+    """`float(lr)` inside an optimizer cuts the hypergradient (or fails under torch.func)."""
+    case = oc.ShardCase(model="mlp", mesh="1d2", layout="fsdp", stack="optim", closed=False, opt="sgd")
+    assert oc.check_shard_case(case) == []
+    right = oc.optim.sgd
+    monkeypatch.setattr(oc.optim, "sgd", lambda lr, *a, **k: right(float(lr), *a, **k))
+    assert "rank 0: hypergrad off by" in _caught(oc.check_shard_case, case)
