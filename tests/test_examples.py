@@ -335,6 +335,7 @@ def _notebook_with_plots(name: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # every research notebook runs in make test (issue 38)
 def test_notebook_03_finetune_transformers():
     out = _notebook_with_plots("03_finetune_transformers.ipynb")
     assert "LlamaForCausalLM: 22,688 parameters, 21 tensors" in out
@@ -364,6 +365,7 @@ def test_notebook_04_per_example_dpsgd():
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # every research notebook runs in make test (issue 38)
 def test_notebook_05_curvature():
     out = _notebook_with_plots("05_curvature.ipynb")
     assert number_after("HVP forward-over-reverse through sf.shard equals torch.func on one device: max err", out) < 1e-12
@@ -382,6 +384,7 @@ def test_notebook_05_curvature():
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # every research notebook runs in make test (issue 38)
 def test_notebook_06_meta_learning():
     out = _notebook_with_plots("06_meta_learning.ipynb")
     assert number_after("hypergradient sharded vs one device: rel err", out) < 1e-10
@@ -396,6 +399,7 @@ def test_notebook_06_meta_learning():
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # every research notebook runs in make test (issue 38)
 def test_notebook_07_ensembles_sweeps():
     out = _notebook_with_plots("07_ensembles_sweeps.ipynb")
     assert number_after("6 members x 40 SGD steps: vmapped sweep equals the loop over members: max err", out) < 1e-10
@@ -416,6 +420,7 @@ def test_notebook_08_memory_planning():
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # every research notebook runs in make test (issue 38)
 def test_notebook_09_long_context_pipelines():
     out = _notebook_with_plots("09_long_context_pipelines.ipynb")
     assert number_after("CP (ring, zigzag) gradients equal one device's: max err", out) < 1e-10

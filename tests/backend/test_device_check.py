@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # ~22 s; make test-all (and before any device session)
 def test_device_check_dry_run_passes_every_check(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "device_check.py"), "--device", "cpu"],
