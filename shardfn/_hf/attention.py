@@ -8,6 +8,13 @@ registers two names:
 - `"shardfn_ring"`: `sf.nn.ring_attention` over the sequence axis;
 - `"shardfn_ulysses"`: `sf.nn.ulysses_attention` (the heads, query and K/V, divide by N).
 
+[Note: only causal LMs are split] The names are for causal LMs, trained with
+`shard_sequence` + `causal_lm_loss` (next-token labels shifted before the split). A module
+that attends both ways (`is_causal=False`: BERT's or ViT's encoder, T5's) is refused at its
+first attention call, with the model_type and the fix: a bidirectional model trained by
+that loss would see the very tokens it is asked to predict. T5's relative position bias,
+Gemma 2's softcap and a sliding window are refused too (the sf.nn attentions have none).
+
 The attention function gets this rank's q, k, v blocks (B, H, T_local, D) and calls the
 sf.nn attention with the causal mask by *global* position (contiguous or zig-zag) and GQA
 as it comes (K/V heads not repeated). The mask builder hands the 2-D key-padding mask
@@ -59,8 +66,16 @@ def _attention_function(name: str):
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
                   seq_axis="seq", seq_layout="contiguous", **kwargs):
-        where = f"attn_implementation={name!r} in {type(module).__name__}"
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        where = f"attn_implementation={name!r} in {type(module).__name__}" + \
+            (f" (model_type {model_type!r})" if model_type else "")
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
         problems = []
+        if not causal:  # [Note: only causal LMs are split]
+            problems.append("bidirectional attention (is_causal=False): the model is not a causal LM, and "
+                            "sf.hf's context parallelism trains causal LMs (shard_sequence shifts the labels for "
+                            "causal_lm_loss's next-token loss); train it without a sequence axis (sf.shard over "
+                            "'data'), or call sf.nn.ring_attention(..., causal=False) in a model of your own")
         if dropout:
             problems.append(f"attention dropout {dropout} (config.attention_dropout): the sf.nn attentions have "
                             f"none; set it to 0.0 or call model.eval()")
@@ -81,7 +96,6 @@ def _attention_function(name: str):
         mask = None if attention_mask is None else attention_mask.to(torch.bool)
         if name == "shardfn_ulysses":
             key, value = _kv_heads_for_ulysses(query, key, value, seq_axis)
-        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
         out = attend(query, key, value, seq_axis, causal=causal, scale=scaling, mask=mask, layout=seq_layout)
         return out.transpose(1, 2).contiguous(), None  # (B, T_local, H, D), no attention weights
 

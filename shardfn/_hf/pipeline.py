@@ -42,6 +42,17 @@ from .attention import IGNORE, shard_sequence, token_weights
 __all__ = ["pipeline_stages", "PipelineStages"]
 
 _PIECES = ("embed_tokens", "layers", "norm", "rotary_emb")
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+# [Note: which decoder LMs] `_MODEL_TYPES` are the transformers models whose base model's
+# forward is exactly `embed_tokens` -> each decoder layer (hidden states, rotary
+# `position_embeddings`, a causal mask) -> `norm`, and whose head reads the norm's output.
+# Phi-3 fuses q/k/v and gate/up inside its layers and passes `config.sliding_window` to its
+# attention (checked, as Mistral's); it is checked against one device in
+# tests/hf/test_hf_families.py ("PP"). Mixture-of-experts layers (Qwen3-MoE, Mixtral:
+# `config.num_experts` / `num_local_experts`) are refused: sf.pipeline checks every stage
+# on meta tensors before it runs (shardfn/_pipeline/checks.py), and a router's dispatch
+# (`nonzero` of its choice: how many tokens each expert gets) has no meta shape.
 
 
 def _decoder(model, where: str):
@@ -54,17 +65,25 @@ def _decoder(model, where: str):
         raise ShardingError(
             f"{where}: {type(model).__name__} is not a decoder LM of the Llama shape (model.{prefix} with "
             f"embed_tokens, a ModuleList of layers, norm and rotary_emb, and an output head); missing: "
-            f"{missing or ['the output head']}.\nFix: use a Llama-style *ForCausalLM (Llama, Mistral, Qwen2, "
-            f"Qwen3), or write pre / layer / post for sf.pipeline by hand (docs/howto/pipeline.md).")
-    config = model.config
-    if getattr(config, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
-        raise ShardingError(
-            f"{where}: model_type {getattr(config, 'model_type', None)!r} is not one whose forward is exactly "
-            f"embed -> decoder layers -> norm -> head (supported: llama, mistral, qwen2, qwen3; e.g. Gemma scales "
-            f"the embedding in its forward).\nFix: write pre / layer / post for sf.pipeline by hand "
+            f"{missing or ['the output head']}.\nFix: use a Llama-style *ForCausalLM (model_type "
+            f"{', '.join(_MODEL_TYPES)}), or write pre / layer / post for sf.pipeline by hand "
             f"(docs/howto/pipeline.md).")
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:  # [Note: which decoder LMs]
+        raise ShardingError(
+            f"{where}: the decoder layers route tokens to {experts} experts (mixture of experts, model_type "
+            f"{model_type!r}); sf.pipeline checks each stage on meta tensors, where the router's data-dependent "
+            f"dispatch has no shape.\nFix: train the MoE model without a pipeline (sf.shard over a data axis), or "
+            f"write pre / layer / post for sf.pipeline by hand with a dispatch of fixed capacity.")
+    if model_type not in _MODEL_TYPES:  # [Note: which decoder LMs]
+        raise ShardingError(
+            f"{where}: model_type {model_type!r} is not one whose forward is exactly embed -> decoder layers -> "
+            f"norm -> head (supported: {', '.join(_MODEL_TYPES)}; e.g. Gemma scales the embedding in its "
+            f"forward).\nFix: write pre / layer / post for sf.pipeline by hand (docs/howto/pipeline.md).")
     windows = {getattr(layer.self_attn, "sliding_window", None) for layer in base.layers}
-    if config.model_type == "mistral":  # Mistral passes config.sliding_window to every attention call
+    if model_type in ("mistral", "phi3"):  # they pass config.sliding_window to every attention call
         windows.add(getattr(config, "sliding_window", None))
     if windows != {None}:
         raise ShardingError(
@@ -188,9 +207,10 @@ def pipeline_stages(model, *, microbatches: int, schedule=None, mesh_axis: str =
     loss (PP x FSDP over another axis). Tied embeddings are supported.
 
     Args:
-      model: a Llama-shaped `*ForCausalLM` (model_type llama, mistral without sliding
-        window, qwen2, qwen3), e.g. from `sf.hf.empty_model` or `from_pretrained`; its
-        attention implementation is used as it is (sdpa, eager).
+      model: a Llama-shaped `*ForCausalLM` (model_type llama, mistral and phi3 without
+        sliding window, qwen2, qwen3; no mixture of experts: [Note: which decoder LMs]), e.g. from
+        `sf.hf.empty_model` or `from_pretrained`; its attention implementation is used
+        as it is (sdpa, eager).
       microbatches, schedule, mesh_axis, virtual_stages, mesh: as for `sf.pipeline`; the
         default schedule is "1f1b" ("interleaved" with `virtual_stages > 1`).
       remat: wrap each decoder layer in `sf.remat` (recompute its activations in the backward).
@@ -203,7 +223,8 @@ def pipeline_stages(model, *, microbatches: int, schedule=None, mesh_axis: str =
 
     Raises:
       ShardingError: a model that is not of that shape (with the fix: write the pieces by
-        hand), sliding-window attention, a batch with an attention_mask.
+        hand), mixture-of-experts layers, sliding-window attention, a batch with an
+        attention_mask.
 
     Example:
       >>> import shardfn as sf, torch, transformers
