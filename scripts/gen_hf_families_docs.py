@@ -30,7 +30,7 @@ if "--run" in sys.argv:
         for feature in H.CELLS:
             error = H.run_cell(family, feature)
             want = H.TABLE[(family, feature)]
-            ok = error is None if want == "yes" else (error or "").startswith(H.EXPECTED_ERRORS[(family, feature)])
+            ok = error is None if want.startswith("yes") else (error or "").startswith(H.EXPECTED_ERRORS[(family, feature)])
             wrong += not ok
             print(f"{'ok ' if ok else 'BAD'} {family:10s} {feature:15s} table: {want[:40]:40s} met: {error or 'held'}")
     sys.exit(1 if wrong else 0)

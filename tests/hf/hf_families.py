@@ -19,7 +19,18 @@ Features:
 - estimate: `sf.estimate` with `use_cache=False` (where the model takes it) and with remat
   against the real step (tests/estimate's check: bytes of shards, state and collectives
   exact, peak, activations and total within 10%);
-- sf.jit: not tested here (tests/hf/test_hf_traced.py covers Llama, GPT-2, Qwen2).
+- CP: the model with `attn_implementation="shardfn_ring"` on {"data": 1, "seq": 2}
+  (zig-zag, FSDP over both axes), `sf.hf.shard_sequence` + `sf.hf.causal_lm_loss`, 2 AdamW
+  steps in fp64 equal to the same loss on one device (the model's default attention) within
+  1e-9, losses and parameters;
+- PP: `sf.hf.pipeline_stages(model, microbatches=2, schedule="1f1b")` on {"stage": 2,
+  "data": 1} (one decoder layer a stage) in `sf.shard`, 2 AdamW steps in fp64 equal to one
+  device within 1e-9;
+- sf.jit: 2 AdamW steps of `sf.jit(step, opt, backend="aot_eager")` on 2 gloo processes,
+  losses and parameters bit-equal to the eager `sf.train_step` (fp64; the loss as in remat
+  training).
+
+A "no" cell holds the start of the error the library raises (`EXPECTED_ERRORS`).
 """
 
 from __future__ import annotations
@@ -36,21 +47,51 @@ import shardfn as sf
 
 B, T, V = 4, 8, 64  # global batch, sequence, vocab
 FAMILIES = ["llama", "mistral", "gemma", "gpt_neox", "phi3", "qwen3_moe", "bert", "t5", "vit"]
-FEATURES = ["remat training", "sharded init", "load / export", "estimate", "sf.jit"]
+FEATURES = ["remat training", "sharded init", "load / export", "estimate", "CP", "PP", "sf.jit"]
 LABELS = {"llama": "Llama", "mistral": "Mistral (sliding window)", "gemma": "Gemma (tied)",
           "gpt_neox": "GPT-NeoX", "phi3": "Phi-3", "qwen3_moe": "Qwen3-MoE (eager experts)", "bert": "BERT (masked LM)",
           "t5": "T5", "vit": "ViT (image classification)"}
 
-NOT_TESTED = "not tested"
-TABLE: dict[tuple[str, str], str] = {
-    **{(f, feature): "yes" for f in FAMILIES for feature in FEATURES[:4]},
-    **{(f, "sf.jit"): NOT_TESTED for f in FAMILIES},
-}
-TABLE[("llama", "sf.jit")] = "yes, with and without remat (tests/hf/test_hf_traced.py)"
+TABLE: dict[tuple[str, str], str] = {(f, feature): "yes" for f in FAMILIES for feature in FEATURES}
 # The router picks each token's experts from activations (`nonzero` of its choice): no dry
 # run can know how many tokens each expert gets, so sf.estimate names the op.
 TABLE[("qwen3_moe", "estimate")] = "no: routing is data-dependent (sf.estimate raises its SpecError on `nonzero`)"
-EXPECTED_ERRORS = {("qwen3_moe", "estimate"): "SpecError: sf.estimate: aten.nonzero.default cannot run in the dry run"}
+TABLE[("gemma", "CP")] = "yes, within 1e-6 (Gemma's RMSNorm computes in fp32)"
+TABLE[("qwen3_moe", "sf.jit")] = ('yes, with experts_implementation="batched_mm" (the eager experts\' loop is '
+                                  'data-dependent)')
+NOT_CAUSAL = "bidirectional attention (is_causal=False): the model is not a causal LM"
+TABLE.update({
+    ("mistral", "CP"): "no: sliding-window attention (only full causal attention is split)",
+    ("bert", "CP"): "no: not a causal LM (bidirectional attention, refused by the ring attention)",
+    ("t5", "CP"): "no: not a causal LM (a bidirectional encoder, refused by the ring attention)",
+    ("vit", "CP"): "no: no token sequence (sf.hf.shard_sequence takes input_ids)",
+    ("mistral", "PP"): "no: sliding-window attention (the stages send no mask)",
+    ("gemma", "PP"): "no: not one of pipeline_stages' model types (Gemma scales its embedding)",
+    ("gpt_neox", "PP"): "no: not of the Llama shape (embed_in, final_layer_norm)",
+    ("qwen3_moe", "PP"): "no: mixture of experts (sf.pipeline's meta check cannot shape the routing)",
+    ("bert", "PP"): "no: not a decoder LM",
+    ("t5", "PP"): "no: not a decoder LM",
+    ("vit", "PP"): "no: not a decoder LM",
+})
+_RING = "ShardingError: attn_implementation='shardfn_ring' in "
+_PP = "ShardingError: sf.hf.pipeline_stages("
+EXPECTED_ERRORS = {
+    ("qwen3_moe", "estimate"): "SpecError: sf.estimate: aten.nonzero.default cannot run in the dry run",
+    ("mistral", "CP"): _RING + "MistralAttention (model_type 'mistral'): a sliding window of 4 tokens",
+    ("bert", "CP"): _RING + "BertSelfAttention (model_type 'bert'): " + NOT_CAUSAL,
+    ("t5", "CP"): _RING + "T5Attention (model_type 't5'): " + NOT_CAUSAL,
+    ("vit", "CP"): "ShardingError: sf.hf.shard_sequence(seq_axis='seq', layout='zigzag'): batch must be a dict with "
+                   "'input_ids'",
+    ("mistral", "PP"): _PP + "MistralForCausalLM): the decoder layers use sliding-window attention (windows of [4]",
+    ("gemma", "PP"): _PP + "GemmaForCausalLM): model_type 'gemma' is not one whose forward is exactly embed",
+    ("gpt_neox", "PP"): _PP + "GPTNeoXForCausalLM): GPTNeoXForCausalLM is not a decoder LM of the Llama shape",
+    ("qwen3_moe", "PP"): _PP + "Qwen3MoeForCausalLM): the decoder layers route tokens to 4 experts",
+    ("bert", "PP"): _PP + "BertForMaskedLM): BertForMaskedLM is not a decoder LM of the Llama shape",
+    ("t5", "PP"): _PP + "T5ForConditionalGeneration): T5ForConditionalGeneration is not a decoder LM of the "
+                        "Llama shape",
+    ("vit", "PP"): _PP + "ViTForImageClassification): ViTForImageClassification is not a decoder LM of the Llama "
+                         "shape",
+}
 
 
 def kind(family: str) -> str:
@@ -138,6 +179,9 @@ def forward_loss(family: str, call, batch: dict) -> torch.Tensor:
 # whose meta kernel takes bfloat16 only, so a dry run in fp32 fails on it too. The table's
 # Qwen3-MoE runs `experts_implementation="eager"` (a loop over the experts, the same
 # parameters and checkpoint): the cells then say what they say of the rest of the model.
+# The sf.jit cell runs `experts_implementation="batched_mm"` (each token's experts' weights
+# gathered, then batched matmuls: fixed shapes, fp64): the eager loop runs once per expert
+# the batch hits (`nonzero`), which dynamo cannot capture as one graph.
 
 
 # -- the cells ------------------------------------------------------------------------------
@@ -238,8 +282,128 @@ def estimate(family: str) -> None:
         _check((loss_fn, params, make_batch, shapes), 2, optimizer=sf.optim.adamw(1e-3))
 
 
+def _maxdiff(a, b) -> float:
+    la, lb = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    assert len(la) == len(lb), f"{len(la)} leaves vs {len(lb)}"
+    return max((x - y).abs().max().item() for x, y in zip(la, lb))
+
+
+def _causal_batch(family: str) -> dict:
+    """The cell's batch as sf.hf's causal-LM helpers take it: {"input_ids"} (the labels are
+    the tokens); an image model's pixel batch as it is (shard_sequence names what it lacks)."""
+    data = batch(family)
+    return {"input_ids": data["input_ids"]} if "input_ids" in data else data
+
+
+def _one_device(model, data: dict, opt, steps: int = 2):
+    """The reference of the CP and PP cells: sf.train_step of sf.hf.causal_lm_loss on the whole
+    batch (the token mean of next-token cross entropy, fp64), the model's default attention."""
+    apply_fn, params = sf.functional(model)
+    train = sf.train_step(sf.hf.causal_lm_loss(apply_fn, seq_axis=None), opt)
+    state, losses = opt.init(params), []
+    for _ in range(steps):
+        params, state, loss = train(params, state, sf.hf.shard_sequence(data, None))
+        losses.append(loss.item())
+    return params, losses
+
+
+# [Note: Gemma in fp32 norms] Gemma's RMSNorm computes in fp32 whatever the model's dtype
+# (`self._norm(x.float())`), so two fp64 computations that differ in the last bits (another
+# order of the attention's sums) differ by fp32 roundings after a step: the one-device model
+# with eager attention instead of SDPA differs from itself by 6.7e-7 after the CP cell's 2
+# AdamW steps (lr 1e-2); ring attention against SDPA, by 1.5e-8. Its CP cell holds to 1e-6.
+TOLERANCE = {"gemma": 1e-6}
+
+
+def context_parallel(family: str) -> None:
+    model = build(family, torch.float64)
+    data, opt = _causal_batch(family), sf.optim.adamw(1e-2)
+    ring = copy.deepcopy(model)
+    sf.hf.register_attention()
+    ring.set_attn_implementation("shardfn_ring")
+    mesh = sf.local_mesh({"data": 1, "seq": 2})
+
+    def body():
+        apply_fn, params = sf.functional(ring)
+        step = sf.shard(sf.hf.causal_lm_loss(apply_fn, layout="zigzag"), mesh, data_axes=("data", "seq"),
+                        shard_axes=("data", "seq"))
+        shards = step.shard_params(params)
+        state, losses = opt.init(shards), []
+        train = sf.train_step(step, opt)
+        for _ in range(2):
+            shards, state, loss = train(shards, state, sf.hf.shard_sequence(data, mesh, layout="zigzag"))
+            losses.append(loss.item())
+        return step.unshard_params(shards), losses
+
+    results = mesh.run(body)
+    want, want_losses = _one_device(model, data, opt)
+    for got, losses in results:
+        diff = max(_maxdiff(got, want), max(abs(a - b) for a, b in zip(losses, want_losses)))
+        assert diff <= TOLERANCE.get(family, 1e-9), f"{family}: CP losses {losses} vs one device {want_losses} " \
+                                                   f"({diff:.2e})"
+
+
+def pipeline(family: str) -> None:
+    model = build(family, torch.float64)
+    data, opt = _causal_batch(family), sf.optim.adamw(1e-2)
+    stages = sf.hf.pipeline_stages(model, microbatches=2, schedule="1f1b")
+    mesh = sf.local_mesh({"stage": 2, "data": 1})
+    _, params = sf.functional(model)
+
+    def body():
+        step = sf.shard(stages.loss, mesh, data_axes="data")
+        shards = step.shard_params(stages.scatter_params(params, mesh))
+        state, losses = opt.init(shards), []
+        train = sf.train_step(step, opt)
+        for _ in range(2):
+            shards, state, loss = train(shards, state, data)
+            losses.append(loss.item())
+        return step.unshard_params(shards), losses
+
+    results = mesh.run(body)  # rank i: stage i (data has size 1)
+    layers = torch.utils._pytree.tree_map(lambda *xs: torch.cat(xs), *[p["layers"] for p, _ in results])
+    got = stages.join(dict(results[0][0], layers=layers))
+    want, want_losses = _one_device(model, data, opt)
+    for _, losses in results:
+        diff = max(_maxdiff(got, want), max(abs(a - b) for a, b in zip(losses, want_losses)))
+        assert diff <= 1e-9, f"{family}: PP losses {losses} vs one device {want_losses} ({diff:.2e})"
+
+
+def _jit_vs_eager(family: str) -> dict:
+    """One gloo process of 2: 2 AdamW steps of the eager sf.train_step and of sf.jit (aot_eager)."""
+    torch._dynamo.reset()
+    mesh = sf.init_mesh({"data": 2}, timeout=300)
+    model = build(family, torch.float64)
+    if family == "qwen3_moe":  # [Note: MoE experts in the table]
+        model.set_experts_implementation("batched_mm")
+    apply_fn, params = sf.functional(model)
+    local = {k: v.chunk(2)[mesh.rank] for k, v in batch(family).items()}
+    out = {}
+    for mode in ("eager", "traced"):
+        step = sf.shard(lambda p, b: forward_loss(family, lambda **kw: apply_fn(p, **kw), b), mesh)
+        opt = sf.optim.adamw(1e-3)
+        shards = step.shard_params(params)
+        state = opt.init(shards)
+        train = sf.train_step(step, opt) if mode == "eager" else sf.jit(step, opt, backend="aot_eager", inplace=True)
+        losses = []
+        for _ in range(2):
+            shards, state, loss = train(shards, state, local)
+            losses.append(float(loss))
+        out[mode] = (losses, [x.clone() for x in torch.utils._pytree.tree_leaves(shards)])
+    (el, es), (tl, ts) = out["eager"], out["traced"]
+    diff = max((a - b).abs().max().item() for a, b in zip(es, ts) if a.numel())  # a shard may be empty
+    return {"eager": el, "traced": tl, "param_diff": diff}
+
+
+def jit(family: str) -> None:
+    from shardfn.testing import run_multiprocess
+
+    for out in run_multiprocess(_jit_vs_eager, 2, family, timeout=300.0):
+        assert out["traced"] == out["eager"] and out["param_diff"] == 0.0, f"{family}: sf.jit {out}"
+
+
 CELLS = {"remat training": remat_training, "sharded init": sharded_init, "load / export": load_export,
-         "estimate": estimate}
+         "estimate": estimate, "CP": context_parallel, "PP": pipeline, "sf.jit": jit}
 
 
 def run_cell(family: str, feature: str) -> str | None:

@@ -15,7 +15,8 @@ from hf import hf_families as H  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CELLS = [(f, feature) for f in H.FAMILIES for feature in H.CELLS]
-LEAN = {("llama", "remat training"), ("t5", "estimate"), ("gpt_neox", "load / export"), ("bert", "sharded init")}
+LEAN = {("llama", "remat training"), ("t5", "estimate"), ("gpt_neox", "load / export"), ("bert", "sharded init"),
+        ("llama", "CP"), ("llama", "PP"), ("phi3", "sf.jit")}  # the new features' cheapest "yes" cells (0.2, 0.1, 5 s)
 
 
 def _marks(cell):
@@ -26,7 +27,7 @@ def _marks(cell):
                          ids=[f"{f}-{feature.replace(' / ', '-').replace(' ', '_')}" for f, feature in CELLS])
 def test_cell(family, feature):
     error = H.run_cell(family, feature)
-    if H.TABLE[(family, feature)] == "yes":
+    if H.TABLE[(family, feature)].startswith("yes"):
         assert error is None, error
     else:
         assert error is not None and error.startswith(H.EXPECTED_ERRORS[(family, feature)]), error
@@ -34,7 +35,8 @@ def test_cell(family, feature):
 
 def test_every_cell_is_in_the_table():
     assert set(H.TABLE) == {(f, feature) for f in H.FAMILIES for feature in H.FEATURES}
-    assert all(v.startswith(("yes", "no: ", H.NOT_TESTED)) for v in H.TABLE.values())
+    assert all(v.startswith(("yes", "no: ")) for v in H.TABLE.values())  # every cell run: none "not tested"
+    assert set(H.CELLS) == set(H.FEATURES)
     assert {k for k, v in H.TABLE.items() if v.startswith("no: ")} == set(H.EXPECTED_ERRORS)
 
 
