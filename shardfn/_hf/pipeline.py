@@ -52,7 +52,10 @@ _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # tests/hf/test_hf_families.py ("PP"). Mixture-of-experts layers (Qwen3-MoE, Mixtral:
 # `config.num_experts` / `num_local_experts`) are refused: sf.pipeline checks every stage
 # on meta tensors before it runs (shardfn/_pipeline/checks.py), and a router's dispatch
-# (`nonzero` of its choice: how many tokens each expert gets) has no meta shape.
+# (`nonzero` of its choice: how many tokens each expert gets) has no meta shape. Gemma
+# scales its embedding by sqrt(hidden size): transformers 5 does it inside `embed_tokens`
+# (its `embed_scale`), so `pre` scales too and Gemma is supported there (the families
+# table's PP cell, ≤ 1e-9); where the model's forward does it (transformers 4), refused.
 
 
 def _decoder(model, where: str):
@@ -77,7 +80,8 @@ def _decoder(model, where: str):
             f"{model_type!r}); sf.pipeline checks each stage on meta tensors, where the router's data-dependent "
             f"dispatch has no shape.\nFix: train the MoE model without a pipeline (sf.shard over a data axis), or "
             f"write pre / layer / post for sf.pipeline by hand with a dispatch of fixed capacity.")
-    if model_type not in _MODEL_TYPES:  # [Note: which decoder LMs]
+    scaled_inside = model_type == "gemma" and hasattr(base.embed_tokens, "embed_scale")  # [Note: which decoder LMs]
+    if model_type not in _MODEL_TYPES and not scaled_inside:  # [Note: which decoder LMs]
         raise ShardingError(
             f"{where}: model_type {model_type!r} is not one whose forward is exactly embed -> decoder layers -> "
             f"norm -> head (supported: {', '.join(_MODEL_TYPES)}; e.g. Gemma scales the embedding in its "
@@ -207,7 +211,7 @@ def pipeline_stages(model, *, microbatches: int, schedule=None, mesh_axis: str =
     loss (PP x FSDP over another axis). Tied embeddings are supported.
 
     Args:
-      model: a Llama-shaped `*ForCausalLM` (model_type llama, mistral and phi3 without
+      model: a Llama-shaped `*ForCausalLM` (model_type llama, gemma (transformers 5), mistral and phi3 without
         sliding window, qwen2, qwen3; no mixture of experts: [Note: which decoder LMs]), e.g. from
         `sf.hf.empty_model` or `from_pretrained`; its attention implementation is used
         as it is (sdpa, eager).

@@ -197,7 +197,8 @@ class TracedStep:
         with _tracing_config():
             try:
                 out = fn(leaves, state_leaves, batch, n)
-            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as e:
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed,
+                    torch._dynamo.exc.UserError) as e:  # UserError: a data-dependent shape (a MoE's routing)
                 ours = _raised_while_tracing(e)
                 if ours is not None:
                     raise ours from e
@@ -339,8 +340,10 @@ def _raised_while_tracing(e: Exception) -> Exception | None:
 
 def _untraceable(e: Exception) -> str:
     """The message for a step dynamo could not capture whole (`Unsupported`: a graph
-    break under fullgraph) or captured but could not compile (`BackendCompilerFailed`:
-    e.g. an `.item()` whose unbacked scalar AOTAutograd's traced backward cannot take)."""
+    break under fullgraph; `UserError`: a guard on a data-dependent size, e.g. a MoE loop
+    over the experts its tokens were routed to) or captured but could not compile
+    (`BackendCompilerFailed`: e.g. an `.item()` whose unbacked scalar AOTAutograd's traced
+    backward cannot take)."""
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     first = "; ".join(lines[:2]) if lines else type(e).__name__
     return (

@@ -66,18 +66,12 @@ TABLE.update({
     ("t5", "CP"): "no: not a causal LM (a bidirectional encoder, refused by the ring attention)",
     ("vit", "CP"): "no: no token sequence (sf.hf.shard_sequence takes input_ids)",
     ("mistral", "PP"): "no: sliding-window attention (the stages send no mask)",
-    ("gemma", "PP"): "no: pipeline_stages refuses model_type 'gemma' (for its scaled embedding)",  # [Note: Gemma PP]
     ("gpt_neox", "PP"): "no: not of the Llama shape (embed_in, final_layer_norm)",
     ("qwen3_moe", "PP"): "no: mixture of experts (sf.pipeline's meta check cannot shape the routing)",
     ("bert", "PP"): "no: not a decoder LM",
     ("t5", "PP"): "no: not a decoder LM",
     ("vit", "PP"): "no: not a decoder LM",
 })
-# [Note: Gemma PP] pipeline_stages refuses Gemma for scaling its embedding in the model's
-# forward; transformers 5 scales it inside `embed_tokens` (GemmaTextScaledWordEmbedding), so
-# the pipeline's `pre` would scale it too: with "gemma" added to its model types the PP cell
-# holds within 1e-9 (checked by hand, not in the table while the refusal stands, which
-# tests/hf/test_hf_pipeline.py asserts).
 _RING = "ShardingError: attn_implementation='shardfn_ring' in "
 _PP = "ShardingError: sf.hf.pipeline_stages("
 EXPECTED_ERRORS = {
@@ -88,7 +82,6 @@ EXPECTED_ERRORS = {
     ("vit", "CP"): "ShardingError: sf.hf.shard_sequence(seq_axis='seq', layout='zigzag'): batch must be a dict with "
                    "'input_ids'",
     ("mistral", "PP"): _PP + "MistralForCausalLM): the decoder layers use sliding-window attention (windows of [4]",
-    ("gemma", "PP"): _PP + "GemmaForCausalLM): model_type 'gemma' is not one whose forward is exactly embed",
     ("gpt_neox", "PP"): _PP + "GPTNeoXForCausalLM): GPTNeoXForCausalLM is not a decoder LM of the Llama shape",
     ("qwen3_moe", "PP"): _PP + "Qwen3MoeForCausalLM): the decoder layers route tokens to 4 experts",
     ("bert", "PP"): _PP + "BertForMaskedLM): BertForMaskedLM is not a decoder LM of the Llama shape",

@@ -150,9 +150,10 @@ def test_models_the_split_would_get_wrong_are_refused():
     with pytest.raises(sf.ShardingError, match=r"(?s)not a decoder LM of the Llama shape.*missing.*write pre / "
                                                r"layer / post for sf.pipeline by hand"):
         sf.hf.pipeline_stages(gpt2, microbatches=2)
-    gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(vocab_size=V, head_dim=8, **SIZES))
-    with pytest.raises(sf.ShardingError, match=r"model_type 'gemma'.*Gemma scales the embedding"):
-        sf.hf.pipeline_stages(gemma, microbatches=2)
+    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(vocab_size=V, embedding_multiplier=2.0,
+                                                                         **SIZES))
+    with pytest.raises(sf.ShardingError, match=r"model_type 'granite' is not one whose forward is exactly embed"):
+        sf.hf.pipeline_stages(granite, microbatches=2)  # it multiplies the embedding in its forward
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(vocab_size=V, sliding_window=8, **SIZES))
     with pytest.raises(sf.ShardingError,
                        match=r"(?s)sliding-window attention \(windows of \[8\] tokens\).*Fix: config.sliding_window"):
