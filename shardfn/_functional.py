@@ -223,7 +223,11 @@ def functional(module: nn.Module, *, remat=None, compile=None) -> tuple[Callable
     def thread_module(device) -> nn.Module:
         copy_ = getattr(local, "module", None)
         if copy_ is None:
-            with unrecorded():  # once per thread: an sf.remat around apply_fn does not repeat it
+            # Once per thread, and outside every transform: an sf.remat around apply_fn does not
+            # repeat it, and a torch.func level active at the first call (a shard step's grad)
+            # would wrap the copied buffers, which then escape to later calls at other levels
+            # (functorch's "escaped?" assertion: the oracle's one-device reference after a step).
+            with unrecorded(), torch._C._DisableFuncTorch(), torch.no_grad():
                 copy_ = _make_thread_module(device)
         return copy_
 

@@ -61,8 +61,12 @@ def _module(name: str, seed: int):
 
     config = LlamaConfig(hidden_size=C, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=8, max_position_embeddings=T)
-    config._attn_implementation = "eager"  # CPU SDPA has no forward AD / double backward (docs/composition.md)
+    # eager attention (CPU SDPA has no forward AD / double backward: docs/composition.md), its
+    # softmax in the model's dtype (transformers' eager one casts to float32: _in_its_dtype)
+    config._attn_implementation = _eager_attention_in_its_dtype()
     layer = LlamaDecoderLayer(config, layer_idx=0).double()
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.__class__ = _rms_norm_in_its_dtype()
     for p in layer.parameters():  # RMSNorm weights start at 1: move them off so they matter
         p.data.add_(0.1 * torch.randn(p.shape, dtype=D64))
     rope = LlamaRotaryEmbedding(config)
@@ -70,6 +74,44 @@ def _module(name: str, seed: int):
     cos, sin = rope(x, torch.arange(T)[None])
     layer._oracle_rope = (cos.to(D64), sin.to(D64))
     return layer
+
+
+@functools.cache
+def _rms_norm_in_its_dtype():
+    """transformers' LlamaRMSNorm computes in float32 whatever the model's dtype (`.to(float32)`
+    and back), and its eager attention takes the softmax in float32, so an fp64 layer carries
+    fp32 roundings, and two fp64 computations of one gradient that scale the cotangent at
+    different points (vjp with c = 1.7 on one device vs c times its grad: 6e-9 apart) differ
+    by them, far above the oracle's 1e-10. The oracle's layer computes its norms and softmax
+    in the model's dtype: the same math, without the casts."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class RMSNormInItsDtype(LlamaRMSNorm):
+        def forward(self, hidden_states):
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    return RMSNormInItsDtype
+
+
+@functools.cache
+def _eager_attention_in_its_dtype() -> str:
+    """transformers' eager attention with the softmax in the inputs' dtype, registered under
+    a name of its own (see `_rms_norm_in_its_dtype`)."""
+    from transformers import AttentionInterface
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        key = repeat_kv(key, module.num_key_value_groups)
+        value = repeat_kv(value, module.num_key_value_groups)
+        weights = query @ key.transpose(2, 3) * scaling
+        if attention_mask is not None:
+            weights = weights + attention_mask[:, :, :, : key.shape[-2]]
+        weights = torch.softmax(weights, dim=-1)
+        return (weights @ value).transpose(1, 2).contiguous(), weights
+
+    AttentionInterface.register("oracle_eager_in_its_dtype", attention)
+    return "oracle_eager_in_its_dtype"
 
 
 def mlp_params(seed: int, d: int = 5, h: int = 6) -> dict:

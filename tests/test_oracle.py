@@ -233,3 +233,30 @@ def test_a_planted_float_of_a_hyperparameter_is_caught(monkeypatch):
     right = oc.optim.sgd
     monkeypatch.setattr(oc.optim, "sgd", lambda lr, *a, **k: right(float(lr), *a, **k))
     assert "rank 0: hypergrad off by" in _caught(oc.check_shard_case, case)
+
+
+def test_a_functional_apply_first_called_inside_a_transform_serves_other_levels():
+    """Found by the oracle on processes: sf.functional's per-thread module copy, made at the
+    apply function's first call on a thread, copied the module's buffers inside the torch.func
+    level active then (a shard step's grad); a later call at another level (the one-device
+    reference in the same process) read a wrapped buffer: functorch's "escaped?" internal
+    assertion. The copy is made outside every transform. Fp64."""
+    import torch
+
+    import shardfn as sf
+    from shardfn.testing.models import Block, GPTConfig
+
+    torch.manual_seed(0)
+    block = Block(GPTConfig(block_size=4, n_head=2, n_embd=8, sdpa=False)).double()  # a causal-mask buffer
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    want = (block(x) ** 2).mean()
+    apply_fn, params = sf.functional(block)
+    loss = lambda p: (apply_fn(p, x) ** 2).mean()  # noqa: E731
+    v = sf._tree.tree_map(torch.ones_like, params)
+    # the first call on this thread two levels deep (a Hessian-vector product), then at one
+    hvp = torch.func.grad(lambda p: oc._dot(torch.func.grad(loss)(p), v))(params)
+    first = torch.func.grad(loss)(params)
+    plain = loss(params)
+    assert torch.equal(plain, want.detach())
+    assert oc.max_rel(torch.func.grad(loss)(params), first) == 0.0
+    assert all(torch.isfinite(t).all() for t in sf._tree.flatten(hvp)[0])
