@@ -47,7 +47,7 @@ __all__ = ["RankProcessError", "run_multiprocess"]
 
 _MARGIN_S = 5.0  # on top of `timeout`, for start-up and reporting
 _GRACE_S = 0.5  # after a first failure, how long to look for a dying peer (the likelier cause)
-_EXIT_WAIT_S = 10.0  # how long a finished child may take to leave after the parent's word
+_EXIT_WAIT_S = 30.0  # how long a finished child may take to leave after the parent's word (4 ranks under a CPU hog: >10 s seen)
 
 
 class RankProcessError(ShardingError):
