@@ -530,13 +530,9 @@ class UnitRuntime:
         """Whether Python code still holds one of the full sharded leaves handed to loss_fn
         this step (beyond `step.outputs`): freeing the unit now would leave it reading
         freed storage ([Note: a view kept across units] in runtime.py)."""
-        return any(self.held_view(l.index) for l in self.plan.sharded)
-
-    def held_view(self, index: int) -> bool:
-        """Whether params leaf `index` (a sharded leaf of this unit) handed out this step is
-        referenced from Python beside `step.outputs`."""
         outputs = self.step.outputs
-        return outputs is not None and index in outputs and _python_refs(outputs[index]) > 1  # 1: `outputs`
+        return outputs is not None and any(
+            l.index in outputs and _python_refs(outputs[l.index]) > 1 for l in self.plan.sharded)  # 1: `outputs`
 
     def views(self) -> list[torch.Tensor]:
         # Views of `full` (not of `_full_data`): our writes bump only `_full_data`'s version
