@@ -20,6 +20,7 @@ def train_step(
     has_aux: bool | None = None,
     inplace: bool = False,
     use_func: bool = False,
+    replicas=None,
 ) -> Callable[[Any, Any, Any], tuple]:
     """Build ``train(shards, opt_state, batch) -> (shards, opt_state, loss)``.
 
@@ -44,6 +45,12 @@ def train_step(
             step is a ``SpecError``. For a plain function, None means False.
         inplace: add the updates into the ``shards`` tensors instead of returning new ones.
         use_func: take the gradient with ``torch.func.grad_and_value``.
+        replicas: a torchft ``Manager`` (this rank's): synchronous HSDP across torchft
+            replicas, each replica its own mesh; the gradient is averaged over the replicas
+            in each step's quorum, a lost replica is dropped without a restart and a
+            replacement is healed from a peer. ``train`` then also has ``state_dict`` /
+            ``load_state_dict`` for the Manager ([Note: synchronous replicas through
+            torchft] in shardfn/_replicas.py; docs/howto/fault-tolerance.md).
 
     Returns:
         The ``train`` function; ``loss`` is detached.
@@ -65,6 +72,13 @@ def train_step(
     """
     _check_placed(step, opt)
     has_aux = _has_aux(step, has_aux)
+    if replicas is not None:
+        from .._replicas import Replicated
+
+        if use_func:
+            raise SpecError("train_step(replicas=..., use_func=True): the step across torchft replicas takes its "
+                            "gradient with the shard step's own grad_and_value.\nFix: drop use_func.")
+        return Replicated(step, opt, replicas, inplace=inplace)
     if use_func:
         grad_and_value = torch.func.grad_and_value(step, has_aux=has_aux)
     elif hasattr(step, "grad_and_value"):  # an sf.shard step: overlapped gradient reductions
