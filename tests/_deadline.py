@@ -214,6 +214,41 @@ class _Worker:
             self.stacks = open(os.path.join(folder, f"{self.pid}.stacks"), "a", buffering=1)  # noqa: SIM115
             faulthandler.register(_DUMP_SIGNAL, file=self.stacks, all_threads=True, chain=False)
 
+    # [Note: a worker that dies on its own] xdist reports a worker that died by itself only as
+    # "crashed", and what it printed on the way out is lost (its stdout is not the terminal).
+    # Two ways a test ends its worker: pytest-timeout's thread method (the project's), which
+    # dumps the stacks to that lost terminal and calls os._exit; and a fatal signal (SIGSEGV,
+    # SIGFPE, SIGABRT, SIGBUS) in torch or gloo. Both now write into the stacks file the
+    # controller reads (the fatal-signal handler is inherited by forked rank processes), and
+    # the controller adds the file's new text and the test's run time to the crash report.
+    def pytest_sessionstart(self, session):
+        if self.stacks is not None:  # after pytest's own faulthandler plugin set stderr
+            faulthandler.enable(file=self.stacks, all_threads=True)
+
+    @pytest.hookimpl(tryfirst=True, optionalhook=True)
+    def pytest_timeout_set_timer(self, item, settings):
+        if self.stacks is None or settings.method != "thread" or os.getpid() != self.pid:
+            return None  # pytest-timeout's own timer
+        import pytest_timeout
+
+        def expire():
+            self.stacks.write(f"\npytest-timeout: {item.nodeid} ran past timeout={settings.timeout:g} s; its "
+                              f"thread method ends the worker (os._exit). Every thread's stack:\n")
+            faulthandler.dump_traceback(file=self.stacks, all_threads=True)
+            self.stacks.flush()
+            pytest_timeout.timeout_timer(item, settings)  # its report (lost with the worker), then os._exit
+
+        timer = threading.Timer(settings.timeout, expire)
+        timer.name = f"pytest_timeout {item.nodeid}"
+
+        def cancel():
+            timer.cancel()
+            timer.join()
+
+        item.cancel_timeout = cancel
+        timer.start()
+        return True
+
     def _alive_children(self) -> set[int]:
         return {p for p in children(self.pid) if _state(p) not in (None, "Z")}
 
@@ -246,6 +281,7 @@ class _Worker:
             return
         if self.stacks is not None:
             faulthandler.unregister(_DUMP_SIGNAL)
+            faulthandler.disable()
             self.stacks.close()
             self.stacks = None
         if self.subreaper and hasattr(config, "workerinput"):  # an xdist worker: all of ours go
@@ -258,11 +294,12 @@ class _Worker:
 
 
 class _Running:
-    def __init__(self, worker_id, pid, nodeid):
+    def __init__(self, worker_id, pid, nodeid, stacks_at=0):
         self.worker_id = worker_id
         self.pid = pid
         self.nodeid = nodeid
         self.start = time.monotonic()
+        self.stacks_at = stacks_at  # the size of the worker's stacks file when the test began
         self.expired = threading.Event()  # the watchdog took this one
         self.done = threading.Event()  # ... and finished dumping and killing
         self.note = ""
@@ -276,6 +313,7 @@ class _Controller:
         self.pids: dict[str, int] = {}  # worker id -> pid
         self.running: dict[str, _Running] = {}
         self.expired: dict[str, _Running] = {}  # nodeid -> what the watchdog did
+        self.died: dict[str, tuple[_Running, float]] = {}  # nodeid -> (its run, seconds): workers that died by themselves
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = None
@@ -290,12 +328,17 @@ class _Controller:
         except Exception:  # noqa: BLE001 - without the pid there is no deadline for this worker
             pass
 
+    def _stacks_path(self, pid: int) -> str:
+        return os.path.join(self.folder, f"{pid}.stacks")
+
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node, error):
         wid = node.gateway.id
         self.pids.pop(wid, None)
         with self.lock:
-            self.running.pop(wid, None)
+            r = self.running.pop(wid, None)
+        if error and r is not None and not r.expired.is_set():  # [Note: a worker that dies on its own]
+            self.died[r.nodeid] = (r, time.monotonic() - r.start)
         if error:  # a crashed worker's orphans were re-parented to us: they go now
             self._kill_orphans()
 
@@ -303,6 +346,8 @@ class _Controller:
     def pytest_handlecrashitem(self, crashitem, report, sched):
         entry = self.expired.get(crashitem)
         if entry is None:
+            if crashitem in self.died:
+                report.longrepr = f"{report.longrepr}\n{self._died_note(crashitem, *self.died[crashitem])}"
             return
         entry.done.wait(30.0)
         report.longrepr = f"{report.longrepr}\n{entry.note}"
@@ -319,7 +364,9 @@ class _Controller:
             wid = node.gateway.id
             if wid in self.pids:
                 with self.lock:
-                    self.running[wid] = _Running(wid, self.pids[wid], nodeid)
+                    path = self._stacks_path(self.pids[wid])
+                    self.running[wid] = _Running(wid, self.pids[wid], nodeid,
+                                                 os.path.getsize(path) if os.path.exists(path) else 0)
             return logstart(node=node, nodeid=nodeid, location=location)
 
         def worker_logfinish(node, nodeid, location):
@@ -348,7 +395,7 @@ class _Controller:
                     r.done.set()
 
     def _expire(self, r: _Running) -> None:
-        path = os.path.join(self.folder, f"{r.pid}.stacks")
+        path = self._stacks_path(r.pid)
         elapsed = time.monotonic() - r.start
         tree = process_tree(r.pid)
         targets = [r.pid] + [p for p in tree if _catches(p, _DUMP_SIGNAL)][:_MAX_DUMPED_CHILDREN]
@@ -386,6 +433,18 @@ class _Controller:
             f"(pytest-timeout's timeout={inner} did not end it). {action}\n"
             f"Stacks (faulthandler, asked for just before the kill):\n{stacks}"
         )
+
+    def _died_note(self, nodeid: str, r: _Running, seconds: float) -> str:
+        try:
+            with open(self._stacks_path(r.pid), errors="replace") as f:
+                f.seek(r.stacks_at)
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        return (f"shardfn: worker {r.worker_id} died by itself {seconds:.0f} s into {nodeid} (not the hard "
+                f"deadline). What it wrote on the way out (pytest-timeout's expiry, or a fatal signal's "
+                f"stacks):\n" + (text or "(nothing: a signal faulthandler does not catch, e.g. SIGKILL from "
+                                         "the kernel's OOM killer, or os._exit in the test)"))
 
     def _kill_orphans(self) -> None:
         workers = set(self.pids.values())

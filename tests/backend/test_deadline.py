@@ -10,6 +10,8 @@ project configures it) and a short hard deadline:
 - a test that forks two orphaned "rank" processes (double fork + new session) and then
   hangs the same way: the same, and the orphans die with the worker's tree;
 - a test that forks two orphans and raises: the reaper kills them at its teardown;
+- a test past pytest-timeout's limit (its thread method ends the worker with os._exit) and
+  a test that segfaults: each fails by name with why its worker died and its stacks;
 - the summary line is printed and, after the run, none of the planted processes is alive.
 """
 
@@ -74,6 +76,12 @@ PLANTED = textwrap.dedent(
         _orphans(2, "raises")
         raise RuntimeError("a rank failed")
 
+    def test_past_the_inner_timeout():
+        time.sleep(30)  # pytest-timeout's thread method ends the worker
+
+    def test_segfault():
+        ctypes.string_at(0)  # SIGSEGV in C
+
     def test_after():
         assert 2 + 2 == 4
     """
@@ -131,7 +139,7 @@ def test_stuck_and_orphaning_tests_fail_by_name_and_leave_nothing(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     # the summary line is printed, with every test accounted for
-    assert re.search(r"^3 failed, 2 passed", out, re.M), out
+    assert re.search(r"^5 failed, 2 passed", out, re.M), out
     for name in ("test_stuck_in_c_holding_the_gil", "test_orphans_then_stuck"):
         nodeid = f"test_planted.py::{name}"
         assert re.search(rf"worker 'gw\d+' crashed while running '{re.escape(nodeid)}'", out), out
@@ -143,6 +151,15 @@ def test_stuck_and_orphaning_tests_fail_by_name_and_leave_nothing(tmp_path):
     # the forked orphans' own stacks were dumped too (they inherited the handler)
     assert out.count("--- child process ") >= 2, out
     assert "FAILED test_planted.py::test_orphans_then_raises - RuntimeError" in out, out
+    # a worker that died by itself says why: pytest-timeout's expiry or the fatal signal, with the stacks
+    for name, why in (("test_past_the_inner_timeout", "pytest-timeout: test_planted.py::test_past_the_inner_timeout "
+                                                      "ran past timeout=1 s"),
+                      ("test_segfault", "Fatal Python error: Segmentation fault")):
+        nodeid = f"test_planted.py::{name}"
+        assert re.search(rf"worker 'gw\d+' crashed while running '{re.escape(nodeid)}'", out), out
+        assert re.search(rf"shardfn: worker gw\d+ died by itself \d+ s into {re.escape(nodeid)}", out), out
+        assert why in out, out
+        assert re.search(rf'File ".*test_planted.py", line \d+ in {name}', out), out
     assert "test_planted.py::test_orphans_then_raises left 2 process(es) running after its teardown" in out, out
     planted = [line.split() for line in pids_file.read_text().splitlines()]
     assert sorted(tag for tag, _ in planted) == ["raises", "raises", "stuck", "stuck"], planted
