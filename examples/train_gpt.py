@@ -249,9 +249,6 @@ def mixed_precision(args):
 
 def print_estimate(mesh, cfg: Config, args, apply_fn, params) -> None:
     """What each rank will hold and move, from a dry run of this run's step (sf.estimate)."""
-    if args.mesh == "fsdp_tp":
-        print("(sf.estimate plans FSDP and HSDP; FSDP x TP is not planned yet)")
-        return
     plan = parallelize(args.mesh, mesh, apply_fn, cfg, remat=args.remat)
     batch = (((cfg.batch_size, cfg.block_size), torch.long),) * 2  # this rank's (idx, targets)
     est = sf.estimate(next_token_loss(plan.forward), plan.to_layout(params), batch, mesh.shape,

@@ -106,10 +106,6 @@ REFUSED: dict[tuple[str, str], Refusal] = {
         "vmap over the batch hides each rank's batch size (the leading dim is the vmapped one), so the ranks' "
         "losses cannot be weighted by it",
         "use batch_weighting='equal' (every rank the same number of examples) for per-example gradients"),
-    ("estimate", "tp"): Refusal(
-        "the tensor-parallel collectives inside loss_fn refuse meta tensors",
-        "estimate the data-parallel part (without param_specs) on the shard group's size, with each "
-        "parameter's tensor-parallel block as its shape"),
 }
 
 

@@ -289,10 +289,29 @@ def test_two_dimensional_meshes_and_uneven_chunks_are_exact(shape, options):
     assert {k: getattr(est, k) for k in stats} == stats
 
 
-def test_tensor_parallel_steps_are_refused_clearly():
-    loss_fn, params, _, _ = _mlp(L=2, D=64, B=8)
-    with pytest.raises(sf.SpecError, match=r"sf.estimate does not support param_specs=\.\.\. \(FSDP x TP\): the tensor-parallel collectives"):
-        sf.estimate(loss_fn, params, (8, 64), {"data": 2, "model": 2}, param_specs=sf.P(None, "model"))
+def test_tensor_parallel_steps_are_exact():
+    """FSDP x TP: Megatron's MLP split over 'model' (column- then row-parallel, a psum inside
+    loss_fn), each rank's blocks FSDP-sharded over 'data'; the dry run's collectives on meta
+    tensors answer with meta results, and its bytes equal the real step's stats()."""
+    D, H, B = 64, 128, 8
+    g = torch.Generator().manual_seed(0)
+    params = {"layers": [{"w1": torch.randn(D, H, generator=g) / D ** 0.5, "w2": torch.randn(H, D, generator=g) / H ** 0.5,
+                          "scale": torch.ones(D)} for _ in range(2)]}
+    specs = lambda path: {"w1": sf.P(None, "model"), "w2": sf.P("model", None)}.get(path[-1])  # noqa: E731
+
+    def loss_fn(p, x):
+        for layer in p["layers"]:
+            x = x * layer["scale"] + sf.psum(torch.tanh(x @ layer["w1"]) @ layer["w2"], "model")
+        return x.square().mean()
+
+    shape = {"data": 2, "model": 2}
+    est = sf.estimate(loss_fn, params, torch.Size([B, D]), shape, param_specs=specs)
+    # each 'model' rank of a data rank reads that data rank's batch
+    make_batch = lambda rank: torch.randn(B, D, generator=torch.Generator().manual_seed(rank // 2))  # noqa: E731
+    param_bytes, grad_bytes, stats = _real_stats(loss_fn, params, make_batch, shape, param_specs=specs)
+    assert (est.param_bytes, est.grad_bytes) == (param_bytes, grad_bytes)
+    assert {k: getattr(est, k) for k in stats} == stats
+    assert stats["all_reduce_bytes"] > 0  # the psums and the replicated leaves' sum over 'model' are counted
 
 
 def test_options_are_followed_exactly():
