@@ -30,8 +30,15 @@ def torchrun() -> str:
 def run_example(*args, timeout=600, launcher=None) -> str:
     cmd = (launcher or [sys.executable]) + [os.path.join(EXAMPLES, args[0]), *args[1:]]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{_why(proc.stderr)}"
     return proc.stdout
+
+
+def _why(stderr: str) -> str:
+    """What a failed run wrote: under torchrun, every rank's own error lines first (the
+    tail alone shows the rank that lost its peer and torchrun's summary, not the cause)."""
+    ranks = [line for line in stderr.splitlines() if re.match(r"\[rank\d+\]:", line)]
+    return ("\n".join(ranks)[-8000:] + "\n--- the tail ---\n" if ranks else "") + stderr[-4000:]
 
 
 def number_after(label: str, text: str) -> float:
@@ -282,7 +289,8 @@ def execute_notebook(name: str) -> str:
 
     path = os.path.join(EXAMPLES, "notebooks", name)
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+    # startup_timeout: the kernel imports torch; 60 s (nbclient's default) was missed under a CPU hog
+    client = nbclient.NotebookClient(nb, timeout=300, startup_timeout=240, kernel_name="python3",
                                      resources={"metadata": {"path": os.path.dirname(path)}})
     client.execute()
     texts = []
