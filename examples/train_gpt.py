@@ -431,7 +431,9 @@ def main():
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # launched by torchrun
     shape = {"fsdp": {"data": world}, "hsdp": {"replica": world // 2, "shard": 2},
              "fsdp_tp": {"data": world // 2, "model": 2}}[args.mesh]
-    mesh = sf.init_mesh(shape, timeout=120) if distributed else sf.local_mesh(shape, timeout=120)
+    # 300 s per collective: under torchrun rank 0 plans the run (sf.estimate) while the others
+    # wait in their first collective; 120 s was missed on a 2-core machine under a CPU hog
+    mesh = sf.init_mesh(shape, timeout=300) if distributed else sf.local_mesh(shape, timeout=300)
 
     data = load_text(cfg.text_chars)
     apply_fn, params = sf.functional(GPT(gpt_config(cfg)), remat=True if args.remat else None)
