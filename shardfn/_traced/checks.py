@@ -33,8 +33,8 @@ def check_traceable(step, plan) -> None:
         _check_hpz(step)
     for unit in plan.units:
         for layout in unit.replicated:
-            if layout.replica_axes or layout.reduce_axes:
-                raise _refuse(f"the replicated leaf {layout.path}", "its extra reduction axes are not written yet")
+            if layout.reduce_axes:
+                raise _refuse(f"the replicated leaf {layout.path}", "its tensor-parallel reduction is not written yet")
     kind = getattr(mesh._backend, "kind", None)
     if kind != "distributed":
         raise SpecError(

@@ -235,8 +235,8 @@ class TracedStep:
         trees = skeleton(plan.treedef), skeleton(list_state(self.opt, plan))
         for tree in trees:  # a container `fill` cannot rebuild: a SpecError here, not inside the trace
             fill(tree, [None] * len(_tree.flatten(tree)[0]))
-        body = functools.partial(_train, _Static.of(self.step, self.inplace, self.accumulate), self.step.loss_fn,
-                                 self.opt, plan, *trees)
+        static = _Static.of(self.step, plan, self.inplace, self.accumulate)
+        body = functools.partial(_train, static, self.step.loss_fn, self.opt, plan, *trees)
         flags, prefetch, hpz = self._reshard_flags(plan, micro), self.step.config.prefetch, _hpz(self.step)
         if self.backend == "inductor":
             options = dict(self.options, post_grad_custom_pre_pass=SchedulePass(flags, self.record, prefetch, hpz),
@@ -373,9 +373,10 @@ class _Static(NamedTuple):
     check_finite: bool = False
     all_name: str | None = None  # the group of every mesh axis (check_finite's flags)
     accumulate: str | None = None  # step.accumulate's mode, or None
+    whole_groups: tuple = ()  # per whole (replicated) leaf index, the group its gradient is summed over, or None
 
     @classmethod
-    def of(cls, step, inplace: bool = False, accumulate: str | None = None) -> "_Static":
+    def of(cls, step, plan, inplace: bool = False, accumulate: str | None = None) -> "_Static":
         cfg, mesh = step.config, step.mesh
         data = mesh.group(cfg.data_axes)
         replicas = tuple(a for a in cfg.data_axes if a not in cfg.shard_axes)
@@ -383,7 +384,21 @@ class _Static(NamedTuple):
         every = mesh.group(mesh.axis_names)
         return cls(cfg.has_aux, cfg.mixed_precision, mesh.group(cfg.shard_axes).pg.group_name,
                    data.pg.group_name, data.size, cfg.batch_weighting, inplace, replica, cfg.check_finite,
-                   every.pg.group_name if every.size > 1 else None, accumulate)
+                   every.pg.group_name if every.size > 1 else None, accumulate, _whole_groups(step, plan))
+
+
+def _whole_groups(step, plan) -> tuple:
+    """Per leaf index, the registered name of the group a whole leaf's gradient is summed
+    over (None for a sharded leaf, or a group of one): eager's `all_reduce_replicated`
+    groups, the shard axes then the leaf's HSDP replica axes, in that order (the same
+    process group, so the same sums, bit for bit)."""
+    cfg, mesh = step.config, step.mesh
+    names: list = [None] * len(plan.leaves)
+    for unit in plan.units:
+        for layout in unit.replicated:
+            group = mesh.group(tuple(cfg.shard_axes) + layout.replica_axes + layout.reduce_axes)
+            names[layout.index] = group.pg.group_name if group.size > 1 else None
+    return tuple(names)
 
 
 def _unpack(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
@@ -441,21 +456,28 @@ def _gather_params(static: _Static, plan, leaves: list[torch.Tensor]) -> list[to
 
 
 def _reduce_replicated(static: _Static, plan, leaves, grads: list) -> None:
-    """Whole leaves' gradients: one flat all-reduce (sum) over the data axes per unit, in
-    place in `grads` (frozen units have none)."""
-    mp, name = static.mp, static.data_name
+    """Whole leaves' gradients: one flat all-reduce (sum) per unit and group (the shard
+    axes and the leaf's HSDP replica axes: `_whole_groups`), in place in `grads`, as eager's
+    `all_reduce_replicated` (frozen units have none)."""
+    mp = static.mp
     for unit in plan.units:
-        floats = [layout.index for layout in unit.replicated if layout.dtype.is_floating_point]
-        if not floats or unit.frozen:
+        if unit.frozen:
             continue
-        dtype = (mp.reduce_dtype if mp is not None else None) or functools.reduce(
-            torch.promote_types, (grads[i].dtype for i in floats), torch.float32)
-        flat = all_reduce_sum(torch.cat([grads[i].reshape(-1).to(dtype) for i in floats]), name)
-        start = 0
-        for i in floats:
-            n = grads[i].numel()
-            grads[i] = flat.narrow(0, start, n).reshape(grads[i].shape).to(leaves[i].dtype)
-            start += n
+        by_group: dict = {}
+        for layout in unit.replicated:
+            if layout.dtype.is_floating_point:
+                by_group.setdefault(static.whole_groups[layout.index], []).append(layout.index)
+        for name, floats in by_group.items():
+            if name is None:  # a group of one: nothing to sum
+                continue
+            dtype = (mp.reduce_dtype if mp is not None else None) or functools.reduce(
+                torch.promote_types, (grads[i].dtype for i in floats), torch.float32)
+            flat = all_reduce_sum(torch.cat([grads[i].reshape(-1).to(dtype) for i in floats]), name)
+            start = 0
+            for i in floats:
+                n = grads[i].numel()
+                grads[i] = flat.narrow(0, start, n).reshape(grads[i].shape).to(leaves[i].dtype)
+                start += n
 
 
 def _loss_mean(static: _Static, loss: torch.Tensor, n: int) -> torch.Tensor:
