@@ -14,7 +14,7 @@ PYTEST ?= $(PYTHON) -m pytest
 # controller, and fails as "crashed" with those stacks. Processes a test leaves behind
 # (orphaned ranks included) are killed at its teardown.
 TEST_WORKERS ?= 1
-HARD_TIMEOUT ?= 360
+HARD_TIMEOUT ?= 600
 ISOLATE ?= -p xdist -n $(TEST_WORKERS) -p tests._deadline --hard-timeout $(HARD_TIMEOUT)
 
 .PHONY: setup demo test test-all notebooks docs docs-serve quickstart

@@ -44,6 +44,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 _DUMP_SIGNAL = signal.SIGUSR2
 _EXEMPT = ("torch._inductor.compile_worker", "torch/_inductor/compile_worker")
 _MAX_DUMPED_CHILDREN = 8
+_BEGIN = "--- shardfn: test begins: "  # the worker's line in its stacks file before each test
 
 
 # -- processes --------------------------------------------------------------------------
@@ -256,6 +257,9 @@ class _Worker:
     def pytest_runtest_setup(self, item):
         if os.getpid() == self.pid:
             self.before = set(children(self.pid))
+            if self.stacks is not None:  # where this test's text starts ([Note: a worker that dies on its own])
+                self.stacks.write(f"\n{_BEGIN}{item.nodeid}\n")
+                self.stacks.flush()
         yield
 
     @pytest.hookimpl(hookwrapper=True, trylast=True)
@@ -435,12 +439,16 @@ class _Controller:
         )
 
     def _died_note(self, nodeid: str, r: _Running, seconds: float) -> str:
+        # from the worker's own line for this test: the controller sees the test start late
+        # under load, after a crash at once had written its stacks (r.stacks_at: a fallback)
         try:
             with open(self._stacks_path(r.pid), errors="replace") as f:
-                f.seek(r.stacks_at)
-                text = f.read().strip()
+                text = f.read()
         except OSError:
             text = ""
+        mark = f"{_BEGIN}{nodeid}\n"
+        at = text.rfind(mark)
+        text = (text[at + len(mark):] if at >= 0 else text[r.stacks_at:]).strip()
         return (f"shardfn: worker {r.worker_id} died by itself {seconds:.0f} s into {nodeid} (not the hard "
                 f"deadline). What it wrote on the way out (pytest-timeout's expiry, or a fatal signal's "
                 f"stacks):\n" + (text or "(nothing: a signal faulthandler does not catch, e.g. SIGKILL from "

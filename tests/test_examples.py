@@ -281,6 +281,11 @@ def test_finetune_hf_torchrun_matches_simulated_and_model_dir(tmp_path):
 # -- notebooks --------------------------------------------------------------------------
 
 
+# a kernel start (torch imported) and the whole notebook: past pytest-timeout's 300 s under a
+# CPU hog (notebook 01: 301 s); the Makefile's HARD_TIMEOUT (600) stays above it
+NOTEBOOK = pytest.mark.timeout(540)
+
+
 def execute_notebook(name: str) -> str:
     """Run a notebook top to bottom (in memory); return all of its text output."""
     import ipykernel  # noqa: F401  the notebook tests need nbformat, nbclient and ipykernel: test extras
@@ -304,6 +309,7 @@ def execute_notebook(name: str) -> str:
     return "\n".join(texts)
 
 
+@NOTEBOOK
 def test_notebook_01_intro():
     out = execute_notebook("01_intro.ipynb")
     for line in ("OK: gather(scatter(x)) == x on every rank",
@@ -317,6 +323,7 @@ def test_notebook_01_intro():
     assert "psum_scatter             [6.0, 9.0]" in out
 
 
+@NOTEBOOK
 def test_notebook_02_fsdp():
     import matplotlib  # noqa: F401  02_fsdp.ipynb plots with it (a test extra)
 
@@ -344,6 +351,7 @@ def _notebook_with_plots(name: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.ci  # every research notebook runs in make test (issue 38)
+@NOTEBOOK
 def test_notebook_03_finetune_transformers():
     out = _notebook_with_plots("03_finetune_transformers.ipynb")
     assert "LlamaForCausalLM: 22,688 parameters, 21 tensors" in out
@@ -356,6 +364,7 @@ def test_notebook_03_finetune_transformers():
 
 @pytest.mark.slow
 @pytest.mark.ci  # lean: ~20 s
+@NOTEBOOK
 def test_notebook_04_per_example_dpsgd():
     out = _notebook_with_plots("04_per_example_dpsgd.ipynb")
     assert "layer 0's w (16, 32): each rank holds (16, 8, 32) = (examples, its rows)" in out
@@ -374,6 +383,7 @@ def test_notebook_04_per_example_dpsgd():
 
 @pytest.mark.slow
 @pytest.mark.ci  # every research notebook runs in make test (issue 38)
+@NOTEBOOK
 def test_notebook_05_curvature():
     out = _notebook_with_plots("05_curvature.ipynb")
     assert number_after("HVP forward-over-reverse through sf.shard equals torch.func on one device: max err", out) < 1e-12
@@ -393,6 +403,7 @@ def test_notebook_05_curvature():
 
 @pytest.mark.slow
 @pytest.mark.ci  # every research notebook runs in make test (issue 38)
+@NOTEBOOK
 def test_notebook_06_meta_learning():
     out = _notebook_with_plots("06_meta_learning.ipynb")
     assert number_after("hypergradient sharded vs one device: rel err", out) < 1e-10
@@ -408,6 +419,7 @@ def test_notebook_06_meta_learning():
 
 @pytest.mark.slow
 @pytest.mark.ci  # every research notebook runs in make test (issue 38)
+@NOTEBOOK
 def test_notebook_07_ensembles_sweeps():
     out = _notebook_with_plots("07_ensembles_sweeps.ipynb")
     assert number_after("6 members x 40 SGD steps: vmapped sweep equals the loop over members: max err", out) < 1e-10
@@ -417,6 +429,7 @@ def test_notebook_07_ensembles_sweeps():
 
 @pytest.mark.slow
 @pytest.mark.ci  # lean: ~20 s
+@NOTEBOOK
 def test_notebook_08_memory_planning():
     out = _notebook_with_plots("08_memory_planning.ipynb")
     ratios = [float(v) for v in re.findall(r"\(ratio ([0-9.]+)\)", out)]
@@ -429,6 +442,7 @@ def test_notebook_08_memory_planning():
 
 @pytest.mark.slow
 @pytest.mark.ci  # every research notebook runs in make test (issue 38)
+@NOTEBOOK
 def test_notebook_09_long_context_pipelines():
     out = _notebook_with_plots("09_long_context_pipelines.ipynb")
     assert number_after("CP (ring, zigzag) gradients equal one device's: max err", out) < 1e-10
