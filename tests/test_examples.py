@@ -199,6 +199,7 @@ def test_train_gpt_default_config_learns(tmp_path):
 @pytest.mark.slow
 @pytest.mark.ci  # the README's promise: `python` and `torchrun` give the same losses
 @pytest.mark.multiprocess
+@pytest.mark.timeout(540)  # six processes import torch: past 300 s under a CPU hog (imports alone took 56 s)
 def test_train_gpt_torchrun_matches_simulated(tmp_path):
     launcher = torchrun()
     sim = train_gpt(tmp_path, "--tiny", "--steps", "5", name="sim")
