@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from . import _tree, _vma
-from ._backend import ops
+from ._backend import graph, ops
 from ._backend.base import Group
 from ._binding import bound_mesh, current_binding
 from ._errors import SpecError
@@ -148,6 +148,7 @@ def _dim(d: int, ndim: int, op: str, what: str = "dim") -> int:
 # -- psum / pmean ----------------------------------------------------------------------
 
 
+@graph.traceable
 class _Psum(torch.autograd.Function):
     @staticmethod
     def forward(x, group):
@@ -207,6 +208,7 @@ def _psum_leaf(leaf, group: Group, op: str):
 # -- pmax / pmin -----------------------------------------------------------------------
 
 
+@graph.traceable
 class _Pextremum(torch.autograd.Function):
     """max / min over the group; the cotangent goes to the ranks holding the extremum,
     split evenly among ties (like `torch.amax`)."""
@@ -267,6 +269,7 @@ def pmin(x: torch.Tensor, axis) -> torch.Tensor:
 # -- all_gather <-> psum_scatter -------------------------------------------------------
 
 
+@graph.traceable
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(x, group, dim):
@@ -289,6 +292,7 @@ class _AllGather(torch.autograd.Function):
         return _AllGather.apply(_front(x, in_dims[0]), group, dim + 1), 0
 
 
+@graph.traceable
 class _PsumScatter(torch.autograd.Function):
     @staticmethod
     def forward(x, group, dim):
@@ -311,6 +315,7 @@ class _PsumScatter(torch.autograd.Function):
         return _PsumScatter.apply(_front(x, in_dims[0]), group, dim + 1), 0
 
 
+@graph.traceable
 class _AllGatherInvariant(torch.autograd.Function):
     """all_gather typed varying -> invariant ([Note: varying axes]); the cotangent is then
     the same on every rank, and the transpose takes this rank's block."""
@@ -336,6 +341,7 @@ class _AllGatherInvariant(torch.autograd.Function):
         return _AllGatherInvariant.apply(_front(x, in_dims[0]), group, dim + 1), 0
 
 
+@graph.traceable
 class _TakeBlock(torch.autograd.Function):
     """This rank's block of `dim` of an invariant value; transpose: the invariant all_gather."""
 
@@ -361,6 +367,7 @@ class _TakeBlock(torch.autograd.Function):
         return _TakeBlock.apply(_front(x, in_dims[0]), group, dim + 1), 0
 
 
+@graph.traceable
 class _VaryGathered(torch.autograd.Function):
     """`gathered` = all_gather(`src`) lifted to varying: the value as it is, the cotangent
     reduce-scattered back to `src` (not all-reduced, then sliced) ([Note: typed transposes])."""
@@ -462,6 +469,7 @@ def psum_scatter(x: torch.Tensor, axis, dim: int = 0, tiled: bool = True) -> tor
 # -- ppermute --------------------------------------------------------------------------
 
 
+@graph.traceable
 class _Ppermute(torch.autograd.Function):
     @staticmethod
     def forward(x, group, perm):
@@ -511,6 +519,7 @@ def ppermute(x: torch.Tensor, axis, perm: Sequence[tuple[int, int]]) -> torch.Te
 # -- all_to_all ------------------------------------------------------------------------
 
 
+@graph.traceable
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(x, group, split_dim, concat_dim):
@@ -600,6 +609,7 @@ class _RaggedPlan:
         return torch.arange(int(sum(sizes)), dtype=torch.int64, device=device) + torch.repeat_interleave(shift, n)
 
 
+@graph.traceable
 class _RaggedAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(operand, output, group, plan):

@@ -49,7 +49,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._backend import ops
+from ._backend import graph, ops
 from ._errors import ShardingError
 
 __all__ = ["Types", "vma", "tag", "untag", "lift", "paused", "enter", "exit", "current"]
@@ -143,6 +143,7 @@ def untag(t, types: Types) -> None:
 # -- pvary and its transpose, the invariant psum -----------------------------------------
 
 
+@graph.traceable
 class _Pvary(torch.autograd.Function):
     """Identity, invariant -> varying over the group's axes; transpose: psum."""
 
@@ -167,6 +168,7 @@ class _Pvary(torch.autograd.Function):
         return _Pvary.apply(x, group), in_dims[0]
 
 
+@graph.traceable
 class PsumInvariant(torch.autograd.Function):
     """All-reduce sum, varying -> invariant; transpose: pvary (the identity)."""
 

@@ -30,11 +30,13 @@ import itertools
 import math
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
+
+import torch
 
 from .._errors import CollectiveTimeoutError, DesyncError, RankAbortedError
 
-__all__ = ["Group", "BackendBase", "axis_subsets", "group_members", "rank_coords", "coords_rank"]
+__all__ = ["Group", "Order", "order", "BackendBase", "axis_subsets", "group_members", "rank_coords", "coords_rank"]
 
 _POLL = datetime.timedelta(milliseconds=50)
 # [Note: a lost peer] When a peer process dies, gloo fails the waiting collective at once with
@@ -96,6 +98,34 @@ class Group:
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+
+class Order(NamedTuple):
+    """A group's logical order and its process group's order, each way ([Note: group order]
+    in base.py); `order(group)` is the one place that works them out."""
+
+    pg: tuple[int, ...]  # logical index -> pg rank
+    logical: tuple[int, ...]  # pg rank -> logical index
+    me: int  # this rank's pg rank
+    same: bool  # the two orders agree (`group.perm is None`)
+
+    def to_logical(self, stacked: torch.Tensor) -> torch.Tensor:
+        """(k, ...) blocks in pg order -> logical order (`stacked` itself when the orders agree)."""
+        return stacked if self.same else stacked[torch.tensor(self.pg, device=stacked.device)]
+
+    def to_pg(self, stacked: torch.Tensor) -> torch.Tensor:
+        """(k, ...) blocks in logical order -> pg order (`stacked` itself when the orders agree)."""
+        return stacked if self.same else stacked[torch.tensor(self.logical, device=stacked.device)]
+
+
+def order(group: "Group") -> Order:
+    if group.perm is None:
+        ranks = tuple(range(group.size))
+        return Order(ranks, ranks, group.index, True)
+    logical = [0] * group.size
+    for i, pg_rank in enumerate(group.perm):
+        logical[pg_rank] = i
+    return Order(group.perm, tuple(logical), group.perm[group.index], False)
 
 
 class BackendBase:

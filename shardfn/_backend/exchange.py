@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .base import Group
+from .base import Group, order
 
 __all__ = ["Transport", "via_ops", "via_pg", "same_everywhere", "gather_bytes"]
 
@@ -56,7 +56,7 @@ def via_pg(group: Group) -> Transport:
     def all_gather(t: torch.Tensor) -> torch.Tensor:
         out = torch.empty((group.size,) + tuple(t.shape), dtype=t.dtype, device=t.device)
         group.pg._allgather_base(out.view(-1), t.reshape(-1)).wait()
-        return ops._order(group).to_logical(out).reshape(-1)
+        return order(group).to_logical(out).reshape(-1)
 
     return Transport(all_reduce_max, all_gather, group.backend.device)
 

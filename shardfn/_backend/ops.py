@@ -32,9 +32,10 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from .._compile import not_traced
 from .._errors import CollectiveTimeoutError, DesyncError, RankAbortedError
-from . import flight
-from .base import Group
+from . import flight, graph
+from .base import Group, order as logical_order
 
 __all__ = [
     "all_reduce",
@@ -74,10 +75,26 @@ def plain_mode() -> contextlib.ExitStack:
 
 
 def _plain_op(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    """The op on plain tensors. While a graph is traced, its graph form ([Note: collectives
+    in a graph] in graph.py) where it has one and the group has a registered name; else
+    the eager op outside the graph (under torch.compile a graph break, run eagerly; inside
+    sf.jit a SpecError naming it)."""
+    traced = graph.TRACED.get(fn.__name__)
+
+    def plain(*args, **kwargs):
         with plain_mode():
             return fn(*args, **kwargs)
+
+    outside = not_traced(graph.outside_reason(fn.__name__, traced is not None))(plain)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if graph.compiling():
+            if traced is not None and graph.named(args[0]):
+                return traced(*args, **kwargs)
+            graph.outside(fn.__name__, traced is not None)
+            return outside(*args, **kwargs)
+        return plain(*args, **kwargs)
 
     return wrapper
 
@@ -259,34 +276,6 @@ def _issue(group: Group, op: str, what: str, direct: Callable, fallback: Callabl
     return Pending(None, group, what, seq, fallback, entry)
 
 
-class _Order(NamedTuple):
-    """A group's logical order and its process group's order, each way ([Note: group order]
-    in base.py); `_order(group)` is the one place that works them out."""
-
-    pg: tuple[int, ...]  # logical index -> pg rank
-    logical: tuple[int, ...]  # pg rank -> logical index
-    me: int  # this rank's pg rank
-    same: bool  # the two orders agree (`group.perm is None`)
-
-    def to_logical(self, stacked: torch.Tensor) -> torch.Tensor:
-        """(k, ...) blocks in pg order -> logical order (`stacked` itself when the orders agree)."""
-        return stacked if self.same else stacked[torch.tensor(self.pg, device=stacked.device)]
-
-    def to_pg(self, stacked: torch.Tensor) -> torch.Tensor:
-        """(k, ...) blocks in logical order -> pg order (`stacked` itself when the orders agree)."""
-        return stacked if self.same else stacked[torch.tensor(self.logical, device=stacked.device)]
-
-
-def _order(group: Group) -> _Order:
-    if group.perm is None:
-        ranks = tuple(range(group.size))
-        return _Order(ranks, ranks, group.index, True)
-    logical = [0] * group.size
-    for i, pg_rank in enumerate(group.perm):
-        logical[pg_rank] = i
-    return _Order(group.perm, tuple(logical), group.perm[group.index], False)
-
-
 def _all_reduce_work(group: Group, t: torch.Tensor, op: str):
     opts = dist.AllreduceOptions()
     opts.reduceOp = _REDUCE_OPS[op]
@@ -323,7 +312,7 @@ def all_gather_async(group: Group, x: torch.Tensor, out: torch.Tensor | None = N
     result is `out` itself when that order is the logical one (`group.perm is None`), else a
     reordered copy."""
     x = x.detach().contiguous()
-    order = _order(group)
+    order = logical_order(group)
     if out is None:
         out = torch.empty((group.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     _note("all_gather", group, out)
@@ -361,7 +350,7 @@ def reduce_scatter_async(group: Group, x: torch.Tensor, out: torch.Tensor | None
     """Start summing `x` (shape (k, *block)) over the group; result is this rank's block,
     written into `out` when given (its values are valid only after `wait()`)."""
     x = x.detach().contiguous()
-    order = _order(group)
+    order = logical_order(group)
     if out is None:
         out = torch.empty(tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _note("reduce_scatter", group, x)
@@ -437,7 +426,7 @@ def _swap(group: Group, me: int, recv: torch.Tensor, send: torch.Tensor):
 def _gather_by_exchange(group: Group, x: torch.Tensor, out: torch.Tensor):
     """[Note: gloo's two-rank collectives] Start leaving both ranks' blocks in `out`
     ((2, *x.shape), pg order); returns the work."""
-    me = _order(group).me
+    me = logical_order(group).me
     rows = out.view(2, -1)
     work = _swap(group, me, rows[1 - me], x.view(-1))
     rows[me].copy_(x.view(-1))
@@ -447,7 +436,7 @@ def _gather_by_exchange(group: Group, x: torch.Tensor, out: torch.Tensor):
 def _sum_by_exchange(group: Group, x_pg: torch.Tensor, out: torch.Tensor):
     """[Note: gloo's two-rank collectives] `x_pg` (2, *block) in pg order -> (work, finish) whose
     finish leaves this rank's summed block in `out`."""
-    me = _order(group).me
+    me = logical_order(group).me
     flat = x_pg.reshape(2, -1)
     work = _swap(group, me, out.view(-1), flat[1 - me])
 
@@ -479,7 +468,7 @@ def all_to_all_async(group: Group, x: torch.Tensor, describe: torch.Tensor | Non
     the blocks this rank hands over; errors describe `describe` (the caller's tensor) if
     given, else `x`."""
     x = x.detach().contiguous()
-    order = _order(group)
+    order = logical_order(group)
     blocks = order.to_pg(x).contiguous()
     recv = torch.empty_like(blocks)
     _note("all_to_all", group, blocks)
@@ -509,7 +498,7 @@ def _all_to_all_v(group: Group, op: str, what: str, chunks: Sequence[torch.Tenso
     per round]). Fallback: every rank's sizes, then its chunks padded to the longest,
     all-gathered; each rank keeps what was sent to it.
     """
-    order, k = _order(group), group.size
+    order, k = logical_order(group), group.size
     parts = [chunks[order.logical[p]] for p in range(k)]  # pg order of the destinations
     filled = [c for c in parts if c.numel()]
     send = filled[0] if len(filled) == 1 else torch.cat(parts)
@@ -583,7 +572,7 @@ def exchange_async(group: Group, sends: Sequence[tuple[int, torch.Tensor]], recv
     timeout; an all-to-all with zero-sized splits for the non-partners can be polled and
     keeps the desync/abort machinery of the collectives (see `ppermute`).
     """
-    order, k = _order(group), group.size
+    order, k = logical_order(group), group.size
     if sends:
         device = sends[0][1].device
     else:

@@ -8,11 +8,13 @@ one call into the step, named for what the caller needs.
 
 from __future__ import annotations
 
+from . import tp
 from .plan import Plan
 from .reduce import raise_nonfinite as _raise_nonfinite
 from .runtime import RankState
 
-__all__ = ["plan_of", "lay_out", "check_same_everywhere", "check_shards", "rank_state", "raise_nonfinite"]
+__all__ = ["plan_of", "lay_out", "check_same_everywhere", "check_shards", "rank_state", "raise_nonfinite",
+           "loss_binding", "check_tp_loss"]
 
 
 def plan_of(step, shards) -> Plan:
@@ -38,6 +40,12 @@ def check_shards(step, plan: Plan, paths, leaves, index: int) -> None:
     step._check_shards(plan, paths, leaves, index)
 
 
+def loss_binding(step, plan: Plan):
+    """The mesh binding `loss_fn` runs in under `plan` (a context manager): the named-axis
+    collectives inside it resolve their axes and are vetted as in the eager step."""
+    return step._loss_binding(plan)
+
+
 def rank_state(step, plan: Plan) -> RankState:
     """This rank's runtime state for `plan` (made on first use)."""
     return step._state(plan)
@@ -48,3 +56,11 @@ def raise_nonfinite(step, what: str, bad) -> None:
     flag `bad` ((1,) float32, 1.0: not finite) is set, as the eager step raises it."""
     mesh = step.mesh
     _raise_nonfinite(what, bad, mesh.group(mesh.axis_names))
+
+
+def check_tp_loss(step, plan: Plan, loss) -> None:
+    """With tensor-parallel axes, the ShardingError eager raises at its first call when the
+    loss differs across them (one small all-reduce); nothing without them. `sf.jit` checks
+    the loss mean its first call returns, before handing back any update."""
+    if plan.tp_axes:
+        tp.check_same_loss(step.mesh.group(plan.tp_axes), plan.tp_axes, loss)

@@ -27,8 +27,7 @@ from .. import _tree
 from .._backend import flight
 from .._compile import not_traced
 from .._errors import ShardingError
-from .._shard_map import replicated_mismatch
-from . import gather, reduce
+from . import gather, reduce, tp
 from .autograd import GatherUnit, LossMean, plain
 from .batch import UNKNOWN
 from .groups import Groups
@@ -321,11 +320,4 @@ class RankState:
         self.stats.collective("all_reduce", 4 * 8)  # two float64 fingerprints and their negations
         if loss.is_meta:  # sf.estimate's dry run: no values to compare (the all-reduce is counted above)
             return
-        if replicated_mismatch(group, [loss])[0]:
-            raise ShardingError(
-                f"shard: the loss differs across mesh axes {axes} (ranks {list(group.ranks)}, seen on rank "
-                f"{group.ranks[group.index]}), the tensor-parallel axes of param_specs: shard treats every "
-                f"rank of them as computing the same loss of the same batch.\nFix: give every rank of "
-                f"{axes} the same batch and reduce the loss over them (sf.psum / all_gather) so it is "
-                f"the same there; or, if those axes split the batch, add them to data_axes."
-            )
+        tp.check_same_loss(group, axes, loss)

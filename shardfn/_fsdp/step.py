@@ -323,6 +323,12 @@ class Shard:
         state = self._existing_state(plan)
         return state.mode if state is not None else StepMode.EAGER
 
+    def _loss_binding(self, plan: Plan) -> binding:
+        """The mesh binding `loss_fn` runs in: manual over the data and tensor-parallel axes
+        (the other axes are auto there), its collectives vetted ([Note: FSDP x TP])."""
+        manual = self.config.data_axes + plan.tp_axes
+        return binding(self.mesh, tp.collective_axes_check(self.config.data_axes, plan.tp_axes), manual)
+
     def _check_shards(self, plan: Plan, paths, leaves, index: int) -> None:
         for layout, path, leaf in zip(plan.leaves, paths, leaves):
             expected = layout.local_shape(index, plan.k) if layout.sharded else layout.shape
@@ -390,8 +396,7 @@ class Shard:
         state.begin_step(leaves)
         view = make_view(treedef, len(leaves), state.leaf)
         try:
-            manual = self.config.data_axes + plan.tp_axes  # the other axes are auto in loss_fn
-            with binding(mesh, tp.collective_axes_check(self.config.data_axes, plan.tp_axes), manual):
+            with self._loss_binding(plan):
                 out = self.loss_fn(view, batch, *rest)
         except RuntimeError as e:  # torch.utils.checkpoint in loss_fn: point to sf.remat
             raise (checkpoint_error(e, "shard: loss_fn") or e) from e

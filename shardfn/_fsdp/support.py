@@ -101,7 +101,6 @@ OPTIONS = (
 _EAGER = "train eagerly with sf.train_step(step, opt), which supports it"
 
 REFUSED: dict[tuple[str, str], Refusal] = {
-    ("jit", "tp"): Refusal("the tensor-parallel reductions are not written in the traced step", _EAGER),
     ("vmap", "global_mean"): Refusal(
         "vmap over the batch hides each rank's batch size (the leading dim is the vmapped one), so the ranks' "
         "losses cannot be weighted by it",

@@ -15,9 +15,11 @@ import torch
 
 from .. import _tree
 from .._errors import ShardingError, SpecError
+from .._shard_map import replicated_mismatch
 from .._spec import PartitionSpec, block_index, chunk_bounds, entry_axes, validate_spec
 
-__all__ = ["tp_specs", "tp_axes", "replica_axes", "reduce_axes", "check_nested_chunks", "combined_spec", "collective_axes_check"]
+__all__ = ["tp_specs", "tp_axes", "replica_axes", "reduce_axes", "check_nested_chunks", "combined_spec",
+           "collective_axes_check", "check_same_loss"]
 
 # [Note: FSDP x TP]
 # `shard` is shard_map over the whole mesh with the params sharded and
@@ -148,3 +150,17 @@ def collective_axes_check(data_axes: tuple[str, ...], tp: tuple[str, ...]) -> Ca
             )
 
     return check
+
+
+def check_same_loss(group, axes: tuple[str, ...], loss: torch.Tensor) -> None:
+    """The loss is the same on every rank of the tensor-parallel axes `axes` (`group`): each
+    computes the loss of the same data rank's batch, else the gradient would be wrong
+    ([Note: FSDP x TP]). One small all-reduce of fingerprints; a ShardingError on every rank."""
+    if replicated_mismatch(group, [loss])[0]:
+        raise ShardingError(
+            f"shard: the loss differs across mesh axes {axes} (ranks {list(group.ranks)}, seen on rank "
+            f"{group.ranks[group.index]}), the tensor-parallel axes of param_specs: shard treats every "
+            f"rank of them as computing the same loss of the same batch.\nFix: give every rank of "
+            f"{axes} the same batch and reduce the loss over them (sf.psum / all_gather) so it is "
+            f"the same there; or, if those axes split the batch, add them to data_axes."
+        )

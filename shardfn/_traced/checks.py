@@ -31,10 +31,6 @@ def check_traceable(step, plan) -> None:
                       "the functional all-gather orders ranks by the process group")
     if cfg.reshard_axes:
         _check_hpz(step)
-    for unit in plan.units:
-        for layout in unit.replicated:
-            if layout.reduce_axes:
-                raise _refuse(f"the replicated leaf {layout.path}", "its tensor-parallel reduction is not written yet")
     kind = getattr(mesh._backend, "kind", None)
     if kind != "distributed":
         raise SpecError(
@@ -57,6 +53,4 @@ def _check_hpz(step) -> None:
             order != [(j % m) * (k // m) + j // m for j in range(k)]:
         raise _refuse(f"reshard_after_forward={cfg.reshard_axes} (hpZ) over shard axes {cfg.shard_axes}",
                       "the re-gather's axes must be the inner (last) shard axes, in the mesh's order")
-    if cfg.mixed_precision is not None and cfg.mixed_precision.wires()[0] is not None:
-        raise _refuse("hpZ with MixedPrecision(all_gather_dtype=...)",
-                      "the kept rows of a quantized all-gather are not written in the traced step")
+

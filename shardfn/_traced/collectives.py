@@ -25,32 +25,21 @@ from typing import NamedTuple
 import torch
 import torch.fx
 
+from .._backend import graph
 from .._backend.ops import exchanges
 from .._quant import Wire, decode, encode, scale_dtype
 
 __all__ = ["GatherFlat", "Wires", "all_reduce_max", "all_reduce_sum", "exchange_pairs", "PACK"]
 
 
-def _all_gather(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
-    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(x, k, name))
-
-
-def _reduce_scatter(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
-    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.reduce_scatter_tensor(x, "sum", k, name))
-
-
 def all_reduce_sum(x: torch.Tensor, name: str) -> torch.Tensor:
     """The sum of `x` over the group `name` (a new tensor; no gradient flows through it)."""
-    return _all_reduce(x, "sum", name)
+    return graph.all_reduce_by_name(x, "sum", name)
 
 
 def all_reduce_max(x: torch.Tensor, name: str) -> torch.Tensor:
     """The max of `x` over the group `name` (a new tensor; no gradient flows through it)."""
-    return _all_reduce(x, "max", name)
-
-
-def _all_reduce(x: torch.Tensor, op: str, name: str) -> torch.Tensor:
-    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x.contiguous(), op, name))
+    return graph.all_reduce_by_name(x, "max", name)
 
 
 class Wires(NamedTuple):
@@ -68,7 +57,7 @@ def _gather_encoded(buf: torch.Tensor, k: int, name: str, wires: Wires) -> torch
     the masters' dtype: (k * S,)."""
     n = buf.shape[0]
     rows = encode(buf, wires.gather, segments=wires.segments, check=False)
-    got = _all_gather(rows, k, name).view(k, -1)
+    got = graph.all_gather_by_name(rows, k, name).view(k, -1)
     return decode(got, wires.gather, n, buf.dtype, segments=wires.segments).reshape(-1)
 
 
@@ -79,8 +68,7 @@ def _reduce_scatter_encoded(grad: torch.Tensor, k: int, name: str, wire: Wire) -
     n = rows.shape[1]
     encoded = encode(rows, wire, check=False)
     splits = [encoded.shape[1]] * k
-    received = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_to_all_single(
-        encoded.reshape(-1), splits, splits, name)).view(k, -1)
+    received = graph.all_to_all_by_name(encoded.reshape(-1), splits, name).view(k, -1)
     acc = decode(received, wire, n, grad.dtype).to(scale_dtype(grad.dtype))
     return acc.sum(0).to(grad.dtype)
 
@@ -88,22 +76,22 @@ def _reduce_scatter_encoded(grad: torch.Tensor, k: int, name: str, wire: Wire) -
 class GatherFlat(torch.autograd.Function):
     """`(S,)` shard buffer in the shards' dtype -> `(k * S,)` rank-major gathered buffer in
     `param_dtype`. Backward: the gradient cast to `reduce_dtype`, reduce-scattered (sum),
-    with HSDP summed over the replica group `replica` (the eager runtime's order: shard
-    group, then replicas), cast back to the shards' dtype. With `wires`, either travels
+    then each of `regions` ((group name, start, stop) of the shard buffer: HSDP's replica
+    axes, then the tensor-parallel axes a leaf is replicated over) summed over its group,
+    as eager's `finish_reduce` does in that order, cast back to the shards' dtype. With `wires`, either travels
     in its wire format as the eager runtime sends it; differentiation treats the format
     as the identity (straight-through). [Note: traceable collectives]
     The backward mirrors eager's one reduce-scatter entry, `shardfn._fsdp.reduce.reduce_scatter`."""
 
     @staticmethod
-    def forward(buf, k: int, name: str, param_dtype, reduce_dtype, replica: str | None = None,
-                wires: Wires = Wires()):
+    def forward(buf, k: int, name: str, param_dtype, reduce_dtype, regions: tuple = (), wires: Wires = Wires()):
         if wires.gather is not None:
             return _gather_encoded(buf, k, name, wires).to(param_dtype)
-        return _all_gather(buf.to(param_dtype), k, name)
+        return graph.all_gather_by_name(buf.to(param_dtype), k, name)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        buf, ctx.k, ctx.name, _, reduce_dtype, ctx.replica, ctx.wires = inputs
+        buf, ctx.k, ctx.name, _, reduce_dtype, ctx.regions, ctx.wires = inputs
         ctx.dtype = buf.dtype
         ctx.reduce_dtype = reduce_dtype
 
@@ -113,9 +101,9 @@ class GatherFlat(torch.autograd.Function):
         if ctx.wires.reduce is not None and ctx.k > 1:
             reduced = _reduce_scatter_encoded(grad, ctx.k, ctx.name, ctx.wires.reduce)
         else:
-            reduced = _reduce_scatter(grad, ctx.k, ctx.name)
-        if ctx.replica is not None:
-            reduced = all_reduce_sum(reduced, ctx.replica)
+            reduced = graph.reduce_scatter_by_name(grad, ctx.k, ctx.name)
+        for group, start, stop in ctx.regions:
+            reduced = reduced.slice_scatter(all_reduce_sum(reduced[start:stop], group), 0, start, stop)
         return reduced.to(ctx.dtype), None, None, None, None, None, None
 
 

@@ -74,6 +74,7 @@ import hashlib
 import torch
 import torch.fx
 
+from .._backend import graph as graph_ops
 from .collectives import PACK, exchange_pairs
 
 __all__ = ["Hpz", "TrafficRecord", "schedule_units", "SchedulePass", "order_constraints", "pin_order", "pin_pass"]
@@ -134,17 +135,23 @@ def _wait_of(node):
 
 
 def _derived(wait) -> list:
-    """The forward ops that read only the gathered buffer (directly or through each other),
-    in graph order."""
+    """The forward ops that read only the gathered buffer (directly or through each other,
+    beside fresh buffers: a decode's `copy(empty, x)`), in graph order."""
     chain, out = {wait}, []
     for node in wait.graph.nodes:  # graph order is a topological order
         if node in chain or node.op != "call_function" or _is_backward(node):
             continue
         inputs = node.all_input_nodes
-        if inputs and all(i in chain for i in inputs):
+        if any(i in chain for i in inputs) and all(i in chain or _is_fresh(i) for i in inputs):
             chain.add(node)
             out.append(node)
     return out
+
+
+def _is_fresh(node, depth: int = 4) -> bool:
+    """A buffer made from nothing (empty, zeros), or an alias of one: a derived op may write
+    into it."""
+    return node.op == "call_function" and depth > 0 and all(_is_fresh(i, depth - 1) for i in node.all_input_nodes)
 
 
 def _feeding(gather, backward: bool = False) -> list:
@@ -240,7 +247,8 @@ def schedule_units(graph: torch.fx.Graph, reshard: tuple[bool, ...], record: Tra
     in the backward; `prefetch`: issue each unit's all-gather this many units early
     ([Note: overlap in the graph]); `hpz`: re-gather over that sub-group ([Note: hpZ in
     the graph])."""
-    gathers = [n for n in graph.nodes if n.target is _C.all_gather_into_tensor.default and not _is_backward(n)]
+    gathers = [n for n in graph.nodes if n.target is _C.all_gather_into_tensor.default and not _is_backward(n)
+               and not graph_ops.marked(n)]  # the units' gathers, not loss_fn's own
     record.graphs += 1
     record.rescheduled = len(gathers) == len(reshard) and all(_wait_of(g) is not None for g in gathers)
     record.backward_gathers = 0
@@ -293,7 +301,7 @@ def schedule_units(graph: torch.fx.Graph, reshard: tuple[bool, ...], record: Tra
         graph.eliminate_dead_code()  # copies no backward op reads
     _count(graph, record)
     for gather in graph.nodes:  # `pin_order` finds the packs by this mark once the gathers are exchanges
-        if gather.target is _C.all_gather_into_tensor.default:
+        if gather.target is _C.all_gather_into_tensor.default and not graph_ops.marked(gather):
             for node in _feeding(gather):
                 node.meta[PACK] = True
     record.exchanged, record.exchanged_gathers = exchange_pairs(graph)
@@ -327,6 +335,11 @@ def _views_of(wait) -> list:
     return out
 
 
+def _scatters(graph: torch.fx.Graph) -> list:
+    """The units' reduce-scatters (not loss_fn's own psum_scatters), in graph order."""
+    return [n for n in graph.nodes if n.target is _C.reduce_scatter_tensor.default and not graph_ops.marked(n)]
+
+
 def _place_reduce_scatters(graph: torch.fx.Graph) -> None:
     """[Note: overlap in the graph] Each reduce-scatter (with the pack of its gradient)
     is issued as soon as its inputs exist (the traced backward lists every gradient
@@ -335,7 +348,7 @@ def _place_reduce_scatters(graph: torch.fx.Graph) -> None:
     before its first other reader if that comes earlier: the unit's backward that follows
     runs while the gradient is on the wire, and at most two units' full gradients are
     alive at once, as in FSDP2's eager schedule."""
-    scatters = [n for n in graph.nodes if n.target is _C.reduce_scatter_tensor.default]
+    scatters = _scatters(graph)
     for node in scatters:
         moving = _feeding(node, backward=True) + [node]
         members = set(moving)
@@ -346,7 +359,7 @@ def _place_reduce_scatters(graph: torch.fx.Graph) -> None:
             for member in moving:
                 after.append(member)
                 after = member
-    scatters = [n for n in graph.nodes if n.target is _C.reduce_scatter_tensor.default]  # in their new order
+    scatters = _scatters(graph)  # in their new order
     for node, nxt in zip(scatters, scatters[1:] + [None]):
         wait = _wait_of(node)
         if wait is None:
@@ -368,6 +381,8 @@ def _count(graph, record: TrafficRecord) -> None:
     in_flight: set = set()
     after: list[int] = []  # per reduce-scatter issued so far, compute nodes since
     for node in graph.nodes:
+        if graph_ops.marked(node):  # loss_fn's own collective: not the step's traffic, as in eager
+            continue
         if _is_compute(node):
             record.overlapped += len(in_flight)
             in_flight.clear()

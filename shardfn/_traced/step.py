@@ -23,8 +23,10 @@ pure description of the same step, written for dynamo:
   reshard-after-forward) is a pass over the captured graph ([Note: the schedule is a
   graph pass] in schedule.py).
 
-It shares the plan (units, flat buffers, padding) with the eager runtime and nothing
-else: the eager runtime is untouched.
+It shares with the eager runtime the plan (units, flat buffers, padding), `loss_fn`'s mesh
+binding and the collectives layer: loss_fn's named-axis collectives (tensor parallelism)
+issue their graph forms ([Note: collectives in a graph] in shardfn/_backend/graph.py), and
+the traced step's own gather and reduce-scatter go through the same functions by name.
 
 [Note: the gradient pack is a cat]
 Autograd writes the gradient pack (the reduce-scatter's input: each leaf's gradient in
@@ -42,17 +44,20 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import math
 import re
 from typing import NamedTuple
 
 import torch
 
 from .. import _tree
+from .._backend import graph
 from .._errors import ShardingError, SpecError
 from .._fsdp import api, support
 from .._fsdp.plan import pack_shards
 from ..optim.base import apply_updates
 from .checks import check_traceable
+from .remat import remat_across_collectives
 from .._fsdp.gather import segments
 from .collectives import GatherFlat, Wires, all_reduce_max, all_reduce_sum
 from .schedule import Hpz, SchedulePass, TrafficRecord, pin_pass, schedule_units
@@ -173,6 +178,7 @@ class TracedStep:
         self.accumulate = accumulate
         self.record = TrafficRecord()
         self._compiled: dict[int, object] = {}
+        self._loss_checked: set = set()  # the keys whose first call's loss was checked (tensor parallel)
 
     def stats(self) -> dict[str, int]:
         """Collective bytes and count of one call of the compiled graph (counted in the graph
@@ -194,7 +200,7 @@ class TracedStep:
             n, batch = _batch_size(batch), _cast_batch(self.step.config, batch)
         else:
             n, batch = [_batch_size(b) for b in micro], [_cast_batch(self.step.config, b) for b in micro]
-        with _tracing_config():
+        with _tracing_config(), api.loss_binding(self.step, plan):
             try:
                 out = fn(leaves, state_leaves, batch, n)
             except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed,
@@ -202,7 +208,7 @@ class TracedStep:
                 ours = _raised_while_tracing(e)
                 if ours is not None:
                     raise ours from e
-                if "disjoint backward regions that require recomputation" in str(e):
+                if "disjoint backward regions that require recomputation" in str(e) and self.accumulate:
                     raise SpecError(
                         f"sf.jit(accumulate={self.accumulate!r}) with sf.remat in loss_fn: torch "
                         f"{torch.__version__}'s compiler recomputes one backward region per graph, and each "
@@ -212,6 +218,9 @@ class TracedStep:
         if self.step.config.check_finite:  # [Note: check_finite in the graph]
             *out, (local, reduced) = out
             _raise_if_nonfinite(self.step, plan, local, reduced)
+        if key not in self._loss_checked:  # eager checks its first call's loss too ([Note: FSDP x TP])
+            api.check_tp_loss(self.step, plan, out[0 if self.inplace else 2])
+            self._loss_checked.add(key)
         if self.inplace:  # the graph wrote into `leaves` and `state_leaves`
             return (shards, opt_state) + tuple(out)
         new, new_state = _tree.unflatten(treedef, out[0]), _tree.unflatten(state_def, out[1])
@@ -265,7 +274,8 @@ _LOG_METHODS = ("debug", "info", "warning", "warn", "error", "warning_once", "in
 @contextlib.contextmanager
 def _tracing_config():
     """dynamo traces `torch.autograd.grad` only when asked, and skips logging calls; the AOT
-    cache would skip the pass."""
+    cache would skip the pass; remat across collectives ([Note: remat across a collective's
+    backward] in remat.py)."""
     import logging
 
     import torch._dynamo
@@ -273,7 +283,8 @@ def _tracing_config():
 
     quiet = {m for m in (getattr(logging.Logger, name, None) for name in _LOG_METHODS) if m is not None}
     with torch._dynamo.config.patch(trace_autograd_ops=True, ignore_logger_methods=quiet), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+            torch._functorch.config.patch(enable_autograd_cache=False), remat_across_collectives(), \
+            graph.fullgraph():
         yield
 
 
@@ -369,22 +380,22 @@ class _Static(NamedTuple):
     data_size: int
     weighting: str
     inplace: bool  # write the results into the input tensors
-    replica_name: str | None = None  # HSDP: the group of the data axes that do not shard
+    tp_size: int = 1  # the size of the tensor-parallel axes: the loss mean's cotangent is 1/(N * tp_size)
     check_finite: bool = False
     all_name: str | None = None  # the group of every mesh axis (check_finite's flags)
     accumulate: str | None = None  # step.accumulate's mode, or None
     whole_groups: tuple = ()  # per whole (replicated) leaf index, the group its gradient is summed over, or None
+    regions: tuple = ()  # per unit, ((group name, start, stop), ...): shard-buffer ranges summed after its reduce-scatter
 
     @classmethod
     def of(cls, step, plan, inplace: bool = False, accumulate: str | None = None) -> "_Static":
         cfg, mesh = step.config, step.mesh
         data = mesh.group(cfg.data_axes)
-        replicas = tuple(a for a in cfg.data_axes if a not in cfg.shard_axes)
-        replica = mesh.group(replicas).pg.group_name if replicas else None
         every = mesh.group(mesh.axis_names)
+        tp_size = math.prod(mesh.shape[a] for a in plan.tp_axes)
         return cls(cfg.has_aux, cfg.mixed_precision, mesh.group(cfg.shard_axes).pg.group_name,
-                   data.pg.group_name, data.size, cfg.batch_weighting, inplace, replica, cfg.check_finite,
-                   every.pg.group_name if every.size > 1 else None, accumulate, _whole_groups(step, plan))
+                   data.pg.group_name, data.size, cfg.batch_weighting, inplace, tp_size, cfg.check_finite, every.pg.group_name if every.size > 1 else None, accumulate,
+                   _whole_groups(step, plan), _regions(step, plan))
 
 
 def _whole_groups(step, plan) -> tuple:
@@ -399,6 +410,15 @@ def _whole_groups(step, plan) -> tuple:
             group = mesh.group(tuple(cfg.shard_axes) + layout.replica_axes + layout.reduce_axes)
             names[layout.index] = group.pg.group_name if group.size > 1 else None
     return tuple(names)
+
+
+def _regions(step, plan) -> tuple:
+    """Per unit, the shard-buffer ranges summed after its reduce-scatter, as eager's
+    `finish_reduce` sums them: HSDP's replica axes, then the tensor-parallel axes the
+    leaves there are replicated over ([Note: FSDP x TP]); by registered group name."""
+    mesh = step.mesh
+    return tuple(tuple((mesh.group(axes).pg.group_name, start, stop)
+                       for axes, start, stop in unit.replica_regions + unit.regions) for unit in plan.units)
 
 
 def _unpack(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
@@ -440,13 +460,13 @@ def _wires(mp, unit) -> Wires:
 def _gather_params(static: _Static, plan, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     mp, name = static.mp, static.shard_name
     full: list = [None] * len(leaves)
-    for unit in plan.units:
+    for u, unit in enumerate(plan.units):
         if unit.sharded:
             param_dtype = (mp.param_dtype if mp is not None else None) or unit.dtype
             reduce_dtype = (mp.reduce_dtype if mp is not None else None) or param_dtype
             shards = [leaves[layout.index] for layout in unit.sharded]
             buf = pack_shards(unit, shards, shards[0].dtype, shards[0].device)  # eager's copy-in (pad + cat)
-            gathered = GatherFlat.apply(buf, unit.k, name, param_dtype, reduce_dtype, static.replica_name,
+            gathered = GatherFlat.apply(buf, unit.k, name, param_dtype, reduce_dtype, static.regions[u],
                                         _wires(mp, unit))
             for layout, value in zip(unit.sharded, _unpack(unit, gathered)):
                 full[layout.index] = value
@@ -484,7 +504,9 @@ def _loss_mean(static: _Static, loss: torch.Tensor, n: int) -> torch.Tensor:
     """The eager step's loss all-reduce, same payload ([Note: the batch size rides on the loss
     all-reduce]); the equal-batch check is an in-graph assert."""
     k, name = static.data_size, static.data_name
-    if static.weighting == "mean_of_means" or k == 1:
+    if k == 1:  # a data group of one: no all-reduce, as in eager
+        return loss.detach()
+    if static.weighting == "mean_of_means":
         return all_reduce_sum(loss.detach(), name) / k
     meta = [float(n), float(n * n), 0.0] if n >= 0 else [0.0, 0.0, 1.0]
     packed = torch.cat([loss.detach().reshape(1).to(torch.float64),
@@ -515,7 +537,7 @@ def _global_mean(static: _Static, loss: torch.Tensor, n: int) -> tuple[torch.Ten
                         "the batch's tensor leaves) and a non-empty global batch")
     k = static.data_size
     weight = torch.where(k * sum_nn == sum_n * sum_n, torch.full_like(sum_n, 1.0 / k), max(n, 0) / sum_n)
-    return (total[0] / sum_n).to(loss.dtype).reshape(loss.shape), weight.to(loss.dtype)
+    return (total[0] / sum_n).to(loss.dtype).reshape(loss.shape), (weight / static.tp_size).to(loss.dtype)
 
 
 def _nonfinite(values: list[torch.Tensor]) -> torch.Tensor:
@@ -571,7 +593,7 @@ def _micro(static: _Static, loss_fn, plan, skeleton, live: list, batch, n: int, 
     if static.weighting == "global_mean" and k > 1:
         mean, weight = _global_mean(static, loss, n)
     else:
-        weight = 1.0 / k
+        weight = 1.0 / (k * static.tp_size)  # [Note: FSDP x TP] rule (1), as eager's LossMean
     wanted = [i for i, x in enumerate(live) if x.requires_grad]
     if hold is None:
         got = torch.autograd.grad(loss * weight, [live[i] for i in wanted], allow_unused=True)

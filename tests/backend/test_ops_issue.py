@@ -3,7 +3,7 @@
 Every op goes through `_issue`: on meta tensors it answers at once, recorded, without
 reaching the process group ([Note: meta tensors]); a backend without the direct op gets
 the fallback ([Note: fallbacks]). The exchange, the ragged all-to-all and ppermute share
-one uneven all-to-all; a group's two orders are worked out in one place (`_order`).
+one uneven all-to-all; a group's two orders are worked out in one place (`base.order`).
 """
 
 import functools
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardfn as sf
-from shardfn._backend import ops
+from shardfn._backend import base, ops
 from shardfn._fsdp import reduce
 from shardfn._quant import Wire
 
@@ -168,7 +168,7 @@ def test_then_applies_after_the_wait():
 def test_order_maps_both_ways(axes):
     def body(mesh):
         group = mesh.group(axes)
-        order = ops._order(group)
+        order = base.order(group)
         blocks = torch.arange(group.size)
         pg_rank = sorted(group.ranks).index(mesh.rank)  # pg ranks follow ascending global rank
         return (torch.equal(order.to_logical(order.to_pg(blocks)), blocks), order.me == pg_rank,
