@@ -139,6 +139,32 @@ def loss_of(block: Callable) -> Callable:
     return loss_fn
 
 
+def traced_against_eager(step, batch, steps: int = 3, backend: str = "aot_eager") -> dict:
+    """`sf.jit(step, adamw)` and eager `sf.train_step(step, adamw)` from the same shards of the
+    MLP, `steps` calls each on `batch`: both losses, whether the shards end equal and their
+    largest gap, both `stats()` bytes (all-gather, reduce-scatter, all-reduce) and the
+    traced step's backward re-gathers. Raises what either raises (a SpecError: a refusal)."""
+    opt = sf.optim.adamw(1e-2)
+    shards = step.shard_params(mlp_params())
+    state = opt.init(shards)
+    eager_shards, eager_state = shards, state
+    traced, eager = sf.jit(step, opt, backend=backend), sf.train_step(step, opt)
+    out = {"losses": [], "eager_losses": []}
+    for _ in range(steps):
+        shards, state, loss = traced(shards, state, batch)
+        out["losses"].append(float(loss))
+        eager_shards, eager_state, eager_loss = eager(eager_shards, eager_state, batch)
+        out["eager_losses"].append(float(eager_loss))
+    pairs = list(zip(sf._tree.flatten(shards)[0], sf._tree.flatten(eager_shards)[0]))
+    out["equal"] = all(torch.equal(a, b) for a, b in pairs)
+    out["gap"] = max((float((a - b).abs().max()) for a, b in pairs if a.numel()), default=0.0)
+    keys = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")
+    out["bytes"] = tuple(traced.stats()[k] for k in keys)
+    out["eager_bytes"] = tuple(step.stats()[k] for k in keys)
+    out["backward_gathers"] = traced.record.backward_gathers
+    return out
+
+
 def global_batch(setup: Setup, n_ranks: int, dtype=torch.float64):
     """Per data rank, its (x, y); and the whole batch."""
     g = torch.Generator().manual_seed(1)

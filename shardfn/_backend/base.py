@@ -36,7 +36,8 @@ import torch
 
 from .._errors import CollectiveTimeoutError, DesyncError, RankAbortedError
 
-__all__ = ["Group", "Order", "order", "BackendBase", "axis_subsets", "group_members", "rank_coords", "coords_rank"]
+__all__ = ["Group", "Order", "order", "blocks_of", "concat_blocks", "BackendBase", "axis_subsets", "group_members",
+           "rank_coords", "coords_rank"]
 
 _POLL = datetime.timedelta(milliseconds=50)
 # [Note: a lost peer] When a peer process dies, gloo fails the waiting collective at once with
@@ -126,6 +127,17 @@ def order(group: "Group") -> Order:
     for i, pg_rank in enumerate(group.perm):
         logical[pg_rank] = i
     return Order(group.perm, tuple(logical), group.perm[group.index], False)
+
+
+def blocks_of(x: torch.Tensor, dim: int, k: int) -> torch.Tensor:
+    """`x` split into `k` equal blocks along `dim`, stacked in front: (k, size / k, *other dims)."""
+    moved = x.movedim(dim, 0)
+    return moved.reshape((k, moved.shape[0] // k) + tuple(moved.shape[1:]))
+
+
+def concat_blocks(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+    """(k, *block) -> the k blocks concatenated along `dim` of a block."""
+    return stacked.movedim(0, dim).flatten(dim, dim + 1)
 
 
 class BackendBase:

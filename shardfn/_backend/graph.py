@@ -4,8 +4,8 @@
 The eager ops (`ops.py`) hand buffers to process-group methods, number them, time them
 and note them in the flight recorder: Python state dynamo cannot trace. While a graph is
 traced (`compiling()`: dynamo, and AOTAutograd's tracing of the joint graph), each op
-instead returns the functional collective of
-`torch.ops._c10d_functional` on its group's registered process-group name, waited at once:
+instead returns the functional collective of `torch.ops._c10d_functional` on its group's
+registered process-group name, waited at once:
 a graph node that AOTAutograd keeps functional and inductor lowers (and may reorder). The
 results are the eager op's: blocks in the group's logical order (base.py's [Note: group
 order]), a new tensor, the operand untouched. `sf.jit`'s own gather and reduce-scatter
@@ -17,14 +17,14 @@ compares it with the base class's). `@traceable` makes the class's `jvp` a descr
 answers the base class's during a compile session (`torch.compiler.is_compiling()`:
 dynamo's own code reads it, outside any traced frame) and the rule otherwise: forward mode
 is not used inside the graphs sf.jit traces (reverse mode only), and every use of the rule
-outside torch.compile, torch.func.jvp included, sees it unchanged. (A twin class without `jvp`, chosen at
-each call, was tried: dynamo cannot trace reading a class off a Function.)
+outside torch.compile, torch.func.jvp included, sees it unchanged. (A twin class without
+`jvp`, chosen at each call, was tried: dynamo cannot trace reading a class off a Function.)
 
 An op without a graph form here (the async ones, ppermute, the ragged and uneven
 all-to-alls), or over a group whose process group has no registered name (the simulated
 mesh's), runs outside the graph (`_compile.not_traced`): under torch.compile a graph break
-that runs it eagerly, as before these forms existed; inside sf.jit (`fullgraph()`) a SpecError
-naming the op and the reason.
+that runs it eagerly, as before these forms existed; inside sf.jit (`fullgraph()`) a
+SpecError naming the op and the reason.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 import torch.fx.traceback
 
 from .._errors import SpecError
-from .base import Group, order
+from .base import Group, blocks_of, concat_blocks, order
 
 __all__ = ["traceable", "compiling", "all_reduce_by_name", "all_gather_by_name", "reduce_scatter_by_name",
            "all_to_all_by_name", "TRACED", "named", "outside_reason", "outside", "fullgraph",
@@ -109,60 +109,47 @@ def marked(node) -> bool:
     return bool(node.meta.get("custom", {}).get(MARK))
 
 
-
-def _name(op: str, group: Group) -> str:
-    name = getattr(group.pg, "group_name", None)
-    if not name:
-        raise SpecError(
-            f"{op} over {group.axes} inside torch.compile: the group's process group has no registered name "
-            f"(the simulated mesh's groups are not torch.distributed's), so the graph cannot name it.\nFix: run "
-            f"under torchrun (sf.init_mesh), or call the function eagerly on the simulated mesh."
-        )
-    return name
+def _name(group: Group) -> str:
+    """The group's registered process-group name (`ops` calls a graph form only when
+    `named(group)`)."""
+    return group.pg.group_name
 
 
 def all_reduce(group: Group, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if group.size == 1:
         return x.clone(memory_format=torch.contiguous_format)
     with _marked():
-        return all_reduce_by_name(x, op, _name("all_reduce", group))
+        return all_reduce_by_name(x, op, _name(group))
 
 
 def all_gather(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     if group.size == 1:
         return x.clone()
-    k = group.size
     with _marked():
-        flat = all_gather_by_name(x.reshape(-1), k, _name("all_gather", group))
-    stacked = order(group).to_logical(flat.view((k,) + tuple(x.shape)))
-    return stacked.movedim(0, dim).flatten(dim, dim + 1) if x.dim() else stacked
+        flat = all_gather_by_name(x.reshape(-1), group.size, _name(group))
+    stacked = order(group).to_logical(flat.view((group.size,) + tuple(x.shape)))
+    return concat_blocks(stacked, dim) if x.dim() else stacked
 
 
 def reduce_scatter(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     if group.size == 1:
         return x.clone()
-    k = group.size
-    stacked = x.movedim(dim, 0)
-    stacked = stacked.reshape((k, stacked.shape[0] // k) + tuple(stacked.shape[1:]))
-    block = tuple(stacked.shape[1:])
+    stacked = blocks_of(x, dim, group.size)
     with _marked():
-        out = reduce_scatter_by_name(order(group).to_pg(stacked).reshape(-1), k, _name("reduce_scatter", group))
-    return out.view(block).movedim(0, dim)
+        out = reduce_scatter_by_name(order(group).to_pg(stacked).reshape(-1), group.size, _name(group))
+    return out.view(stacked.shape[1:]).movedim(0, dim)
 
 
 def all_to_all(group: Group, x: torch.Tensor, split_dim: int, concat_dim: int) -> torch.Tensor:
     if group.size == 1:
         return x.clone()
-    k = group.size
-    moved = x.movedim(split_dim, 0)
-    blocks = moved.reshape((k, moved.shape[0] // k) + tuple(moved.shape[1:]))
+    blocks = blocks_of(x, split_dim, group.size)
     ranks = order(group)
     sent = ranks.to_pg(blocks)
     with _marked():
-        got = all_to_all_by_name(sent.reshape(-1), [sent[0].numel()] * k, _name("all_to_all", group))
+        got = all_to_all_by_name(sent.reshape(-1), [sent[0].numel()] * group.size, _name(group))
     received = ranks.to_logical(got.view(blocks.shape))  # (k, m, *rest): source-major
-    received = received.movedim(1, split_dim + 1)
-    return received.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+    return concat_blocks(received.movedim(1, split_dim + 1), concat_dim)
 
 
 TRACED = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,

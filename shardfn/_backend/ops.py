@@ -16,7 +16,7 @@ identical; only the traffic grows. Tests force the fallbacks through `FORCE_FALL
 numbers the collective (`begin`: desync check, timeout messages), starts it or its
 fallback, and on meta operands answers at once ([Note: meta tensors]); every synchronous
 op is its `_async` op waited at once; and every op maps between a group's logical order
-and its process group's order through `_order`. `_issue` also notes the collective in this
+and its process group's order through `base.order`. `_issue` also notes the collective in this
 rank's flight recorder, which `Pending.wait` closes ([Note: flight recorder] in flight.py).
 """
 
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .._compile import not_traced
 from .._errors import CollectiveTimeoutError, DesyncError, RankAbortedError
 from . import flight, graph
-from .base import Group, order as logical_order
+from .base import Group, blocks_of, concat_blocks, order as logical_order
 
 __all__ = [
     "all_reduce",
@@ -342,7 +342,7 @@ def all_gather(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     if group.size == 1:
         return x.detach().clone()
     stacked = all_gather_async(group, x).wait()  # (k, *shape)
-    return stacked.movedim(0, dim).flatten(dim, dim + 1) if x.dim() else stacked
+    return concat_blocks(stacked, dim) if x.dim() else stacked
 
 
 @_plain_op
@@ -379,10 +379,7 @@ def reduce_scatter(group: Group, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """Sum over the group, keep this rank's block of `dim` (size must divide by group size)."""
     if group.size == 1:
         return x.detach().clone()
-    k = group.size
-    stacked = x.detach().movedim(dim, 0)
-    stacked = stacked.reshape((k, stacked.shape[0] // k) + tuple(stacked.shape[1:]))
-    return reduce_scatter_async(group, stacked).wait().movedim(0, dim)
+    return reduce_scatter_async(group, blocks_of(x.detach(), dim, group.size)).wait().movedim(0, dim)
 
 
 # [Note: gloo's two-rank collectives]
@@ -453,12 +450,9 @@ def all_to_all(group: Group, x: torch.Tensor, split_dim: int, concat_dim: int) -
     (`all_to_all_async` with the blocks moved to the front, waited at once.)"""
     if group.size == 1:
         return x.detach().clone()
-    k = group.size
-    moved = x.detach().movedim(split_dim, 0)
-    blocks = moved.reshape((k, moved.shape[0] // k) + tuple(moved.shape[1:]))
+    blocks = blocks_of(x.detach(), split_dim, group.size)
     received = all_to_all_async(group, blocks, describe=x).wait()  # (k, m, *rest): source-major blocks
-    received = received.movedim(1, split_dim + 1)  # each block back in x's dim order
-    return received.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+    return concat_blocks(received.movedim(1, split_dim + 1), concat_dim)  # each block back in x's dim order
 
 
 @_plain_op

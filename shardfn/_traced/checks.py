@@ -53,4 +53,3 @@ def _check_hpz(step) -> None:
             order != [(j % m) * (k // m) + j // m for j in range(k)]:
         raise _refuse(f"reshard_after_forward={cfg.reshard_axes} (hpZ) over shard axes {cfg.shard_axes}",
                       "the re-gather's axes must be the inner (last) shard axes, in the mesh's order")
-

@@ -385,7 +385,7 @@ class _Static(NamedTuple):
     all_name: str | None = None  # the group of every mesh axis (check_finite's flags)
     accumulate: str | None = None  # step.accumulate's mode, or None
     whole_groups: tuple = ()  # per whole (replicated) leaf index, the group its gradient is summed over, or None
-    regions: tuple = ()  # per unit, ((group name, start, stop), ...): shard-buffer ranges summed after its reduce-scatter
+    regions: tuple = ()  # per unit, ((group name, start, stop), ...) summed after its reduce-scatter
 
     @classmethod
     def of(cls, step, plan, inplace: bool = False, accumulate: str | None = None) -> "_Static":
@@ -394,8 +394,9 @@ class _Static(NamedTuple):
         every = mesh.group(mesh.axis_names)
         tp_size = math.prod(mesh.shape[a] for a in plan.tp_axes)
         return cls(cfg.has_aux, cfg.mixed_precision, mesh.group(cfg.shard_axes).pg.group_name,
-                   data.pg.group_name, data.size, cfg.batch_weighting, inplace, tp_size, cfg.check_finite, every.pg.group_name if every.size > 1 else None, accumulate,
-                   _whole_groups(step, plan), _regions(step, plan))
+                   data.pg.group_name, data.size, cfg.batch_weighting, inplace, tp_size, cfg.check_finite,
+                   every.pg.group_name if every.size > 1 else None, accumulate, _whole_groups(step, plan),
+                   _regions(step, plan))
 
 
 def _whole_groups(step, plan) -> tuple:

@@ -175,34 +175,13 @@ JIT_SUPPORTED = [o.key for o in support.OPTIONS if support.cell("jit", o.key) is
 def _jit_vs_eager(option: str, steps: int = 3):
     setup = cases.SETUPS[option]
     mesh = sf.init_mesh(dict(setup.mesh_shape), timeout=60)
-    loss_fn = cases.make_loss(tp=setup.tp, remat=setup.remat)
-    step = sf.shard(loss_fn, mesh, **setup.shard_kwargs)
+    step = sf.shard(cases.make_loss(tp=setup.tp, remat=setup.remat), mesh, **setup.shard_kwargs)
     index, size = cases.data_rank(mesh, setup)
     parts, _ = cases.global_batch(setup, size)
-    batch = parts[index]
-    opt = sf.optim.adamw(1e-2)
-    shards = step.shard_params(cases.mlp_params())
-    state = opt.init(shards)
-    eager_shards, eager_state = shards, state
-    traced = sf.jit(step, opt, backend="aot_eager")
-    eager = sf.train_step(step, opt)
-    out = {"losses": [], "eager_losses": []}
     try:
-        for _ in range(steps):
-            shards, state, loss = traced(shards, state, batch)
-            out["losses"].append(float(loss))
-            traced_stats = traced.stats()
-            eager_shards, eager_state, eager_loss = eager(eager_shards, eager_state, batch)
-            out["eager_losses"].append(float(eager_loss))
+        return cases.traced_against_eager(step, parts[index], steps)
     except sf.SpecError as e:
         return {"refused": str(e)}
-    out["equal"] = all(torch.equal(a, b) for a, b in zip(sf._tree.flatten(shards)[0],
-                                                         sf._tree.flatten(eager_shards)[0]))
-    keys = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")
-    out["bytes"] = tuple(traced_stats[k] for k in keys)
-    out["eager_bytes"] = tuple(step.stats()[k] for k in keys)
-    out["backward_gathers"] = traced.record.backward_gathers
-    return out
 
 
 @pytest.mark.slow

@@ -66,30 +66,12 @@ def test_jit_hpz_over_outer_axes_is_refused_with_the_reason():
         assert "sf.train_step(step, opt)" in message
 
 
-def _hpz_with_wire_vs_eager(wire: str, steps: int = 3):
+def _hpz_with_wire_vs_eager(wire: str):
     setup = cases.combine((wire, "hpz"))
     mesh = sf.init_mesh(dict(setup.mesh_shape), timeout=60)
     step = sf.shard(cases.make_loss(), mesh, **setup.shard_kwargs)
     index, size = cases.data_rank(mesh, setup)
-    batch = cases.global_batch(setup, size)[0][index]
-    opt = sf.optim.adamw(1e-2)
-    shards = step.shard_params(cases.mlp_params())
-    state = opt.init(shards)
-    eager_shards, eager_state = shards, state
-    traced, eager = sf.jit(step, opt, backend="aot_eager"), sf.train_step(step, opt)
-    out = {"losses": [], "eager_losses": []}
-    for _ in range(steps):
-        shards, state, loss = traced(shards, state, batch)
-        eager_shards, eager_state, eager_loss = eager(eager_shards, eager_state, batch)
-        out["losses"].append(float(loss))
-        out["eager_losses"].append(float(eager_loss))
-    out["equal"] = all(torch.equal(a, b) for a, b in zip(sf._tree.flatten(shards)[0],
-                                                         sf._tree.flatten(eager_shards)[0]))
-    keys = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")
-    out["bytes"] = tuple(traced.stats()[k] for k in keys)
-    out["eager_bytes"] = tuple(step.stats()[k] for k in keys)
-    out["backward_gathers"] = traced.record.backward_gathers
-    return out
+    return cases.traced_against_eager(step, cases.global_batch(setup, size)[0][index])
 
 
 @pytest.mark.slow

@@ -41,32 +41,14 @@ def _loss(how: str, remat: bool):
     return cases.loss_of(sf.remat(block) if remat else block)
 
 
-def _traced_vs_eager(shape: dict, how: str, remat: bool, backend: str, steps: int = 3):
+def _traced_vs_eager(shape: dict, how: str, remat: bool, backend: str):
     mesh = sf.init_mesh(shape, timeout=120)
     step = sf.shard(_loss(how, remat), mesh, **SPECS)
     parts, _ = cases.global_batch(cases.SETUPS["tp"], shape["data"])
-    batch = parts[mesh.coords["data"]]
-    opt = sf.optim.adamw(1e-2)
-    shards = step.shard_params(cases.mlp_params())
-    state = opt.init(shards)
-    eager_shards, eager_state = shards, state
-    traced, eager = sf.jit(step, opt, backend=backend), sf.train_step(step, opt)
-    out = {"losses": [], "eager_losses": []}
     try:
-        for _ in range(steps):
-            shards, state, loss = traced(shards, state, batch)
-            out["losses"].append(float(loss))
-            eager_shards, eager_state, eager_loss = eager(eager_shards, eager_state, batch)
-            out["eager_losses"].append(float(eager_loss))
+        return cases.traced_against_eager(step, parts[mesh.coords["data"]], backend=backend)
     except (sf.ShardingError, sf.SpecError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
-    pairs = list(zip(sf._tree.flatten(shards)[0], sf._tree.flatten(eager_shards)[0]))
-    out["equal"] = all(torch.equal(a, b) for a, b in pairs)
-    out["gap"] = max(float((a - b).abs().max()) for a, b in pairs)
-    keys = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")
-    out["bytes"] = tuple(traced.stats()[k] for k in keys)
-    out["eager_bytes"] = tuple(step.stats()[k] for k in keys)
-    return out
 
 
 def _check_equal(outs, exact: bool):
