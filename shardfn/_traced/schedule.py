@@ -75,6 +75,7 @@ import torch
 import torch.fx
 
 from .._backend import graph as graph_ops
+from .._fsdp.reduce import Stats
 from .collectives import PACK, exchange_pairs
 
 __all__ = ["Hpz", "TrafficRecord", "schedule_units", "SchedulePass", "order_constraints", "pin_order", "pin_pass"]
@@ -99,13 +100,11 @@ def _is_view(node) -> bool:
 
 @dataclasses.dataclass
 class TrafficRecord:
-    """What the last compiled graph communicates per call (bytes as `stats()` counts them:
-    the all-gather's output, the reduce-scatter's input, the all-reduce's tensor)."""
+    """What the last compiled graph communicates per call, counted by the eager step's own
+    `Stats` (`_fsdp/reduce.py`: the all-gather's output, the reduce-scatter's input, the
+    all-reduce's tensor), and what the schedule pass did."""
 
-    all_gather_bytes: int = 0
-    reduce_scatter_bytes: int = 0
-    all_reduce_bytes: int = 0
-    num_collectives: int = 0
+    traffic: Stats = dataclasses.field(default_factory=Stats)
     backward_gathers: int = 0  # re-gathers inserted for reshard-after-forward
     overlapped: int = 0  # collectives with a compute node between their issue and their wait
     pinned: int = 0  # order constraints written for inductor (`pin_order`)
@@ -117,8 +116,8 @@ class TrafficRecord:
     graphs: int = 0  # graphs the pass has seen (one per compile)
 
     def stats(self) -> dict[str, int]:
-        return {"all_gather_bytes": self.all_gather_bytes, "reduce_scatter_bytes": self.reduce_scatter_bytes,
-                "all_reduce_bytes": self.all_reduce_bytes, "num_collectives": self.num_collectives}
+        """`step.stats()`'s collective keys (the graph holds no `peak_gathered_bytes` count)."""
+        return {key: value for key, value in self.traffic.values.items() if key != "peak_gathered_bytes"}
 
 
 def _nbytes(node) -> int:
@@ -376,7 +375,7 @@ def _place_reduce_scatters(graph: torch.fx.Graph) -> None:
 
 
 def _count(graph, record: TrafficRecord) -> None:
-    record.all_gather_bytes = record.reduce_scatter_bytes = record.all_reduce_bytes = record.num_collectives = 0
+    record.traffic.reset()
     record.overlapped = 0
     in_flight: set = set()
     after: list[int] = []  # per reduce-scatter issued so far, compute nodes since
@@ -394,16 +393,12 @@ def _count(graph, record: TrafficRecord) -> None:
         if node.target in _STARTS:
             in_flight.add(node)
         if node.target is _C.all_gather_into_tensor.default:
-            record.all_gather_bytes += _nbytes(node)
-        elif node.target is _C.reduce_scatter_tensor.default:
-            record.reduce_scatter_bytes += _nbytes(node.args[0])
+            record.traffic.collective("all_gather", _nbytes(node))
+        elif node.target in (_C.reduce_scatter_tensor.default, _C.all_to_all_single.default):
+            # an all-to-all is qgZ's reduction (counted before `exchange_pairs` adds any)
+            record.traffic.collective("reduce_scatter", _nbytes(node.args[0]))
         elif node.target is _C.all_reduce.default:
-            record.all_reduce_bytes += _nbytes(node.args[0])
-        elif node.target is _C.all_to_all_single.default:  # qgZ's reduction (before `exchange_pairs` adds any)
-            record.reduce_scatter_bytes += _nbytes(node.args[0])
-        else:
-            continue
-        record.num_collectives += 1
+            record.traffic.collective("all_reduce", _nbytes(node.args[0]))
     record.compute_after_scatters = tuple(after)
 
 

@@ -19,6 +19,7 @@ import torch
 import shardfn as sf
 from shardfn.testing import run_multiprocess
 from shardfn.testing.models import GPT, GPTConfig, mlp_loss, mlp_params
+from traced.test_compile import SCALE_SENSITIVE
 
 STEPS = 10
 TIMEOUT = 900.0  # compiles on a 2-core machine shared with other jobs
@@ -314,10 +315,13 @@ def _gpt_parity(backend: str, traced_steps: int, cfg: GPTConfig = GPT_CFG, optim
     for mode in ("eager", "traced"):
         step = sf.shard(lambda p, b: apply_fn(p, *b), mesh)
         shards = step.shard_params(params)
-        opt = sf.optim.adamw(3e-3) if optimizer == "adamw" else sf.optim.sgd(3e-2)
+        opt = {"adamw": lambda: sf.optim.adamw(3e-3), "sgd": lambda: sf.optim.sgd(3e-2),
+               "adamw-linear": lambda: sf.optim.adamw(3e-3, **SCALE_SENSITIVE)}[optimizer]()
         train = sf.train_step(step, opt) if mode == "eager" else sf.jit(step, opt, backend=backend)
+        first = [x.clone() for x in sf._tree.flatten(shards)[0]]
         shards, _, losses = _train(train, shards, opt.init(shards), batches[:STEPS])
-        out[mode] = {"losses": losses, "shards": shards, "stats": step.stats() if mode == "eager" else train.stats()}
+        out[mode] = {"losses": losses, "shards": shards, "stats": step.stats() if mode == "eager" else train.stats(),
+                     "moved": _max_diff(first, sf._tree.flatten(shards)[0])}
         if mode == "traced":
             _train(train, shards, opt.init(shards), batches[STEPS:])
             out["dynamo"] = _dynamo_counts()
@@ -349,25 +353,29 @@ EXAMPLES_CFG = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_em
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, optimizer", [("aot_eager", "adamw"), ("inductor", "sgd"), ("inductor", "adamw")])
+@pytest.mark.parametrize("backend, optimizer", [("aot_eager", "adamw"), ("inductor", "sgd"),
+                                                ("inductor", "adamw-linear")])
 def test_traced_examples_gpt_matches_eager(backend, optimizer):
-    """The examples' GPT traced: one graph over 20 steps, losses within 1e-6 and parameters
-    within 5e-5 of the eager step over 10 steps.
+    """The examples' GPT traced: one graph over 20 steps; over 10 steps, losses within 1e-6
+    of the eager step's and parameters bit for bit (aot_eager: the same graph op by op) or
+    within 1e-6 (inductor), while eager's moved by more than 1e-4: a gradient off by a
+    factor (a sum where a mean belongs) moves them by about as much as they moved.
 
-    aot_eager runs the same graph op by op and is bit-equal with AdamW. Inductor's forward
-    and backward kernels agree with eager to a unit in the last place (SGD: losses 4.8e-7,
-    i.e. one float32 ulp at 4.0, parameters 1.1e-8), and Adam's update, g / sqrt(v), turns
-    last-place differences of small gradients into differences of the learning rate's
-    size: with inductor and AdamW, measured 9.5e-7 (losses) and 4.0e-5 / 4.8e-5
-    (parameters, the two ranks), inside the bounds with little room. Before Adam's
-    step-dependent scalars were realized ([Note: step-dependent scalars in a graph]),
-    inductor folded them into one expression with the learning rate, rounded otherwise,
-    and missed the bounds (1.4e-6; 3.9e-5 / 1.3e-4). A CPU with other vector widths
-    reduces in another order: the margin is this machine's."""
+    Inductor's forward and backward kernels agree with eager to a unit in the last place
+    (SGD: losses 4.8e-7, i.e. one float32 ulp at 4.0; parameters 1.1e-8). With inductor,
+    AdamW runs with eps = 1 (`SCALE_SENSITIVE`), where its update is ~linear in the
+    gradient, so last-place differences stay last-place (measured 3.7e-9). With the
+    default eps = 1e-8, Adam's g / sqrt(v) turns last-place differences of near-zero
+    gradients into differences of the learning rate's size, by an amount that depends on
+    the CPU's vector width: an AMD EPYC (AVX2) measured 9.5e-7 (losses) and 4.8e-5
+    (parameters) on this run, an Intel Xeon (AVX-512) 1.43e-6 and 1.29e-4, with the same
+    code. A bound on that is a bound on the machine; the default-eps AdamW case is the
+    aot_eager one, bit for bit."""
     for out in run_multiprocess(_gpt_parity, 2, backend, 2 * STEPS, EXAMPLES_CFG, optimizer, timeout=TIMEOUT):
         eager, traced = out["eager"], out["traced"]
         assert max(abs(a - b) for a, b in zip(eager["losses"], traced["losses"])) <= 1e-6, (eager, traced)
-        assert out["param_diff"] <= 5e-5
+        assert out["param_diff"] <= (0.0 if backend == "aot_eager" else 1e-6), out["param_diff"]
+        assert eager["moved"] > 1e-4, eager["moved"]
         assert eager["losses"][-1] < eager["losses"][0]
         assert out["dynamo"] == {"unique_graphs": 1, "graph_breaks": 0}
 
