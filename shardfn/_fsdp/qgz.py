@@ -60,7 +60,7 @@ import torch
 from .._backend import ops
 from .._quant import Wire, decode, encode, nbytes, scale_dtype
 
-__all__ = ["reduce_scatter", "accumulation_dtype", "encoded_bytes"]
+__all__ = ["reduce_scatter", "decoded_sum", "accumulation_dtype", "encoded_bytes"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,15 +69,20 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return scale_dtype(dtype)
 
 
-def _sum_decoded(received: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
-    """The all-to-all's `(k, *lead, R)` encoded rows (row i from rank i) -> their decoded sum
-    in `out` ((*lead, S))."""
+def decoded_sum(received: torch.Tensor, wire: Wire, n: int, dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The all-to-all's `(k, *lead, R)` encoded rows (row i from rank i) -> their decoded sum,
+    `(*lead, S)` in `dtype` (in `out` if given). Each row decodes straight into the
+    accumulation dtype: no rounding to a narrower `dtype` before the sum. The eager
+    reduction's wait and the traced step's `GatherFlat.backward` both end here."""
     acc = torch.empty(received.shape[:-1] + (n,), dtype=accumulation_dtype(dtype), device=received.device)
     if received.dim() == 2:  # row by row: each decodes straight into its row of acc
         for j in range(received.shape[0]):
             decode(received[j], wire, n, dtype, out=acc[j])
     else:
         decode(received, wire, n, dtype, out=acc)
+    if out is None:
+        return acc.sum(0).to(dtype)
     if out.dtype == acc.dtype and out.is_contiguous():
         torch.sum(acc, dim=0, out=out)
     else:
@@ -97,7 +102,7 @@ def reduce_scatter(packed: torch.Tensor, group, wire: Wire, stats, out: torch.Te
         if out is None:
             out = torch.empty(packed.shape[1:], dtype=packed.dtype, device=packed.device)
         return ops.all_to_all_async(group, rows).then(
-            functools.partial(_sum_decoded, wire=wire, n=packed.shape[-1], dtype=packed.dtype, out=out))
+            functools.partial(decoded_sum, wire=wire, n=packed.shape[-1], dtype=packed.dtype, out=out))
 
 
 def encoded_bytes(shape: tuple[int, ...], wire: Wire, dtype: torch.dtype) -> int:

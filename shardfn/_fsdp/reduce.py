@@ -66,7 +66,8 @@ def reduce_scatter(packed: torch.Tensor, group, stats: Stats, out: torch.Tensor 
     one all-to-all, decoded sum; [Note: qgZ] in qgz.py); else the plain sum,
     `ops.reduce_scatter_async` (over a gloo group of two an exchange and an add: [Note:
     gloo's two-rank collectives] in ops.py). Either way an `ops.Pending`; `stats` counts
-    the buffer handed over. The traced step's `GatherFlat.backward` mirrors it."""
+    the buffer handed over. The traced step's `GatherFlat.backward` mirrors it in graph ops,
+    its qgZ ending in the same `qgz.decoded_sum`."""
     if wire is not None and group.size > 1:
         return qgz.reduce_scatter(packed, group, wire, stats, out=out)
     stats.collective("reduce_scatter", _nbytes(packed))

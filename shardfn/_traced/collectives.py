@@ -27,7 +27,8 @@ import torch.fx
 
 from .._backend import graph
 from .._backend.ops import exchanges
-from .._quant import Wire, decode, encode, scale_dtype
+from .._fsdp.qgz import decoded_sum
+from .._quant import Wire, decode, encode
 
 __all__ = ["GatherFlat", "Wires", "all_reduce_max", "all_reduce_sum", "exchange_pairs", "PACK"]
 
@@ -63,14 +64,12 @@ def _gather_encoded(buf: torch.Tensor, k: int, name: str, wires: Wires) -> torch
 
 def _reduce_scatter_encoded(grad: torch.Tensor, k: int, name: str, wire: Wire) -> torch.Tensor:
     """The eager qgZ reduction ([Note: qgZ] in _fsdp/qgz.py) as graph ops: encode the k rows,
-    one all-to-all, decode the k received rows in the accumulation dtype and sum them."""
+    one all-to-all, then eager's `qgz.decoded_sum` of the k received rows."""
     rows = grad.view(k, -1)
-    n = rows.shape[1]
     encoded = encode(rows, wire, check=False)
     splits = [encoded.shape[1]] * k
     received = graph.all_to_all_by_name(encoded.reshape(-1), splits, name).view(k, -1)
-    acc = decode(received, wire, n, grad.dtype).to(scale_dtype(grad.dtype))
-    return acc.sum(0).to(grad.dtype)
+    return decoded_sum(received, wire, rows.shape[1], grad.dtype)
 
 
 class GatherFlat(torch.autograd.Function):

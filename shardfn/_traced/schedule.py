@@ -135,22 +135,44 @@ def _wait_of(node):
 
 def _derived(wait) -> list:
     """The forward ops that read only the gathered buffer (directly or through each other,
-    beside fresh buffers: a decode's `copy(empty, x)`), in graph order."""
-    chain, out = {wait}, []
+    beside fresh buffers: a decode's `copy(empty, x)`), and those fresh buffers, in graph
+    order: they move and are copied together."""
+    chain, fresh = {wait}, set()
     for node in wait.graph.nodes:  # graph order is a topological order
         if node in chain or node.op != "call_function" or _is_backward(node):
             continue
         inputs = node.all_input_nodes
         if any(i in chain for i in inputs) and all(i in chain or _is_fresh(i) for i in inputs):
             chain.add(node)
-            out.append(node)
-    return out
+            for i in inputs:
+                _add_fresh(i, chain, fresh)
+    order = {n: k for k, n in enumerate(wait.graph.nodes)}
+    return sorted((chain | fresh) - {wait}, key=order.__getitem__)
+
+
+# A buffer an op writes into, made from nothing. Not `arange` or `full` of positions: those
+# carry values other ops read (transformers' GPT-2 reads `arange(T).unsqueeze(0)` beside the
+# gathered position table), and their nodes may stand after the unit's first reader.
+_ALLOCATORS = ("empty", "empty_strided", "zeros")
 
 
 def _is_fresh(node, depth: int = 4) -> bool:
-    """A buffer made from nothing (empty, zeros), or an alias of one: a derived op may write
+    """A buffer made from nothing (`_ALLOCATORS`), or a view of one: a derived op may write
     into it."""
-    return node.op == "call_function" and depth > 0 and all(_is_fresh(i, depth - 1) for i in node.all_input_nodes)
+    if node.op != "call_function" or depth == 0:
+        return False
+    if not node.all_input_nodes:
+        return getattr(getattr(node.target, "_overloadpacket", None), "__name__", None) in _ALLOCATORS
+    return _is_view(node) and all(_is_fresh(i, depth - 1) for i in node.all_input_nodes)
+
+
+def _add_fresh(node, chain: set, fresh: set) -> None:
+    """`node` and its inputs into `fresh` when it is a fresh buffer outside `chain`."""
+    if node in chain or node in fresh or not _is_fresh(node):
+        return
+    fresh.add(node)
+    for i in node.all_input_nodes:
+        _add_fresh(i, chain, fresh)
 
 
 def _feeding(gather, backward: bool = False) -> list:

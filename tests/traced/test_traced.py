@@ -637,3 +637,24 @@ def test_traced_apply_is_sf_functionals_apply_and_runs_in_an_eager_shard_step():
         step = sf.shard(lambda p, b, fn=fn: fn(p, *b), mesh)
         losses[name] = mesh.run(lambda: float(step(step.shard_params(params), (idx, idx))))
     assert losses["functional"] == losses["traced_apply"] == [float(model(idx, idx))] * 2
+
+
+def test_a_units_derived_ops_take_write_buffers_along_not_values_other_ops_read():
+    """The schedule pass moves a gathered buffer's derived ops (and copies them for the
+    re-gather) to the unit's first reader. A decode's `copy(empty, x)` is derived, its
+    `empty` moving with it. An embedding of positions (`arange(T).unsqueeze(0)`, whose
+    nodes can stand after the unit's first reader) is not: 234daed took any input made from
+    nothing as fresh, and transformers' GPT-2 under sf.jit failed with "Argument 'unsqueeze'
+    of Node 'embedding_1' was used before it has been defined"."""
+    from shardfn._traced.schedule import _derived
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    gathered = graph.placeholder("gathered")
+    positions = graph.call_function(aten.unsqueeze.default, (graph.call_function(aten.arange.default, (4,)), 0))
+    graph.call_function(aten.embedding.default, (gathered, positions))
+    buffer = graph.call_function(aten.empty.memory_format, ([4],))
+    view = graph.call_function(aten.view.default, (buffer, [2, 2]))
+    decoded = graph.call_function(aten.copy.default, (view, gathered))
+    scaled = graph.call_function(aten.mul.Tensor, (decoded, 2.0))
+    assert _derived(gathered) == [buffer, view, decoded, scaled]
