@@ -57,7 +57,9 @@ def _traced_vs_eager(arch: str, backend: str, remat: bool = False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+# gpt2 in CI (~15 s): the schedule pass once moved its position embedding ahead of its
+# input (`arange(T).unsqueeze(0)`), a break no other CI case has
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gpt2", marks=pytest.mark.ci), "qwen2"])
 def test_transformers_models_trace_as_one_graph_with_eager_numbers(arch):
     for out in run_multiprocess(_traced_vs_eager, 2, arch, "aot_eager", timeout=TIMEOUT):
         assert out["dynamo"] == {"unique_graphs": 1, "graph_breaks": 0}
