@@ -268,8 +268,7 @@ def schedule_units(graph: torch.fx.Graph, reshard: tuple[bool, ...], record: Tra
     in the backward; `prefetch`: issue each unit's all-gather this many units early
     ([Note: overlap in the graph]); `hpz`: re-gather over that sub-group ([Note: hpZ in
     the graph])."""
-    gathers = [n for n in graph.nodes if n.target is _C.all_gather_into_tensor.default and not _is_backward(n)
-               and not graph_ops.marked(n)]  # the units' gathers, not loss_fn's own
+    gathers = [n for n in _own(graph, _C.all_gather_into_tensor.default) if not _is_backward(n)]
     record.graphs += 1
     record.rescheduled = len(gathers) == len(reshard) and all(_wait_of(g) is not None for g in gathers)
     record.backward_gathers = 0
@@ -321,10 +320,9 @@ def schedule_units(graph: torch.fx.Graph, reshard: tuple[bool, ...], record: Tra
         _place_reduce_scatters(graph)
         graph.eliminate_dead_code()  # copies no backward op reads
     _count(graph, record)
-    for gather in graph.nodes:  # `pin_order` finds the packs by this mark once the gathers are exchanges
-        if gather.target is _C.all_gather_into_tensor.default and not graph_ops.marked(gather):
-            for node in _feeding(gather):
-                node.meta[PACK] = True
+    for gather in _own(graph, _C.all_gather_into_tensor.default):  # `pin_order` finds the packs by this
+        for node in _feeding(gather):  # mark once the gathers are exchanges
+            node.meta[PACK] = True
     record.exchanged, record.exchanged_gathers = exchange_pairs(graph)
 
 
@@ -356,9 +354,14 @@ def _views_of(wait) -> list:
     return out
 
 
+def _own(graph: torch.fx.Graph, target) -> list:
+    """The step's own `target` collectives (not loss_fn's named-axis ones), in graph order."""
+    return [n for n in graph.nodes if n.target is target and not graph_ops.marked(n)]
+
+
 def _scatters(graph: torch.fx.Graph) -> list:
-    """The units' reduce-scatters (not loss_fn's own psum_scatters), in graph order."""
-    return [n for n in graph.nodes if n.target is _C.reduce_scatter_tensor.default and not graph_ops.marked(n)]
+    """The units' reduce-scatters, in graph order."""
+    return _own(graph, _C.reduce_scatter_tensor.default)
 
 
 def _place_reduce_scatters(graph: torch.fx.Graph) -> None:

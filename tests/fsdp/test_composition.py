@@ -172,8 +172,9 @@ def test_estimate_with_check_finite_counts_the_flag_all_reduces():
 JIT_SUPPORTED = [o.key for o in support.OPTIONS if support.cell("jit", o.key) is None]
 
 
-def _jit_vs_eager(option: str, steps: int = 3):
-    setup = cases.SETUPS[option]
+def _jit_vs_eager(option, steps: int = 3):
+    """`option`: a key of `cases.SETUPS`, or a `cases.Setup` of its own."""
+    setup = cases.SETUPS[option] if isinstance(option, str) else option
     mesh = sf.init_mesh(dict(setup.mesh_shape), timeout=60)
     step = sf.shard(cases.make_loss(tp=setup.tp, remat=setup.remat), mesh, **setup.shard_kwargs)
     index, size = cases.data_rank(mesh, setup)
@@ -213,14 +214,6 @@ def test_jit_with_int8_both_ways_communicates_int8_and_equals_eager():
     test_jit_cells_on_processes_equal_eager_train_step_bit_for_bit("wire_int8")
 
 
-def _jit_vs_eager_narrow_reduce(wire):
-    mesh = sf.init_mesh({"data": 2}, timeout=120)
-    mp = sf.MixedPrecision(reduce_dtype=torch.bfloat16, reduce_scatter_dtype=wire)
-    step = sf.shard(cases.make_loss(), mesh, mixed_precision=mp)
-    parts, _ = cases.global_batch(cases.SETUPS["none"], 2)
-    return cases.traced_against_eager(step, parts[mesh.rank])
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("wire", ["int8", torch.float8_e4m3fn])
@@ -229,7 +222,10 @@ def test_jit_with_a_bf16_reduce_and_a_quantized_reduce_scatter_equals_eager_bit_
     The traced step decoded into the bf16 reduce dtype first, then summed in float32: its
     parameters drifted 3.0e-5 / 1.2e-4 from eager's after 3 AdamW steps, silently (the
     matrix's options reduce in float32, where the two roundings agree)."""
-    for out in run_multiprocess(_jit_vs_eager_narrow_reduce, 2, wire, timeout=240):
+    mp = sf.MixedPrecision(reduce_dtype=torch.bfloat16, reduce_scatter_dtype=wire)
+    setup = cases.Setup((("data", 2),), {"mixed_precision": mp})
+    for out in run_multiprocess(_jit_vs_eager, 2, setup, timeout=240):
+        assert "refused" not in out, out["refused"]
         assert out["losses"] == out["eager_losses"]
         assert out["equal"], out["gap"]
         assert out["bytes"][1:] == out["eager_bytes"][1:]
